@@ -1,0 +1,301 @@
+"""Run untrusted model-written Python in a throwaway subprocess.
+
+    sandbox = Sandbox(max_concurrency=4)
+    result = await sandbox.run("print(2**100)", timeout_s=5)
+    result.output  # '1267650600228229401496703205376\n'
+
+Stateless per call: every call gets a fresh `python -I` process, a fresh temporary directory as cwd
+(removed afterwards) and a fresh environment; nothing a call does (files, variables, imports, background
+processes) is visible to the next call. The only state is in `Sandbox`: the semaphore that caps how many
+runs are live, and the pool of sandbox uids that belong to the live runs.
+
+What contains what (isolation mode "root-ns", used when we are root and `unshare` works; true here):
+- wall clock: `timeout_s`, then SIGKILL to the process group and to every process owned by the run's uid.
+- forks and stray children: the code runs as its own unprivileged uid (one per concurrent slot, so
+  RLIMIT_NPROC counts only that run's processes: root ignores RLIMIT_NPROC, which is why we switch uid),
+  in a new pid namespace whose init is a root shell; when the code exits, the namespace dies and the kernel
+  kills whatever it left behind, even processes that called setsid().
+- memory, CPU, file size, open files: RLIMIT_AS, RLIMIT_CPU, RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CORE=0.
+- network: a new, empty network namespace (no interfaces up), so connect() fails at once.
+- filesystem: a new mount namespace with /tmp, /var/tmp and /dev/shm read-only (the only world-writable
+  places), the run's own directory writable, /proc showing only the sandbox's processes, and any
+  unreadable ancestor of the Python install (here /root, mode 700) replaced by an empty tmpfs that
+  re-exposes only the Python install, so the sandbox uid can start Python without seeing root's files.
+  Everything else is protected by ordinary permissions: the sandbox uid owns nothing outside its dir.
+- environment: only PATH, HOME, TMPDIR, LANG and single-thread BLAS settings; nothing of the parent's.
+- signals: the sandbox uid may not signal the trainer's processes (different uid), and in the pid
+  namespace the parent's pids do not exist (os.getppid() is the namespace's init, owned by root).
+
+Fallbacks (probed once per process, see `isolation_mode`): "user-ns" when not root but unprivileged user
+namespaces work (`unshare -rn`): network is isolated, but RLIMIT_NPROC then counts all of our user's
+processes, so it is set to the current count plus a margin, which bounds a fork bomb only loosely.
+"none": rlimits, a new session and the process-group kill only; no network or filesystem isolation.
+"""
+
+import asyncio
+import functools
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+MAX_OUTPUT_BYTES = 16 * 1024  # what the model sees; a tool message should stay small
+MEMORY_LIMIT_BYTES = 2 * 1024**3  # RLIMIT_AS: address space, generous for numpy/sympy imports
+MAX_PROCESSES = 32  # RLIMIT_NPROC for the sandbox uid (threads count too)
+MAX_FILE_BYTES = 16 * 1024**2  # RLIMIT_FSIZE: largest file the code may write
+MAX_OPEN_FILES = 128  # RLIMIT_NOFILE
+SANDBOX_UID_BASE = 61000  # uids SANDBOX_UID_BASE .. +max_concurrency-1 are used for runs; must be unused
+
+_MARKER = "\n\n... [{n} bytes of output omitted] ...\n\n"
+
+
+@dataclass
+class SandboxResult:
+    output: str  # stdout and stderr interleaved, decoded with errors="replace", middle cut past the cap
+    exit_code: int | None  # the code's exit status; 128+N if killed by signal N; None if it never ran
+    timed_out: bool  # killed by the wall-clock timeout
+    truncated: bool  # output was longer than max_output_bytes
+    duration_s: float  # wall-clock time of the whole call, setup and cleanup included
+    error: str = ""  # short reason when something went wrong (timeout, signal, setup failure), else ""
+
+
+# SETUP: which isolation this machine allows, probed once per process.
+
+
+def _blocked_ancestors(path: str) -> dict[str, set[str]]:
+    """Ancestors of `path` that others cannot traverse, each with the child on the way to `path`."""
+    blocked: dict[str, set[str]] = {}
+    parts = os.path.realpath(path).split(os.sep)[1:]
+    for i in range(len(parts) - 1):
+        parent = os.sep + os.sep.join(parts[:i])
+        if not os.stat(parent).st_mode & 0o001:
+            blocked.setdefault(parent, set()).add(parts[i])
+    return blocked
+
+
+def _prologue(python_paths: list[str]) -> str:
+    """Shell run as root inside the new namespaces; $1 = run dir, $2 = uid; then runs python as $2."""
+    blocked: dict[str, set[str]] = {}
+    for p in python_paths:
+        for parent, children in _blocked_ancestors(p).items():
+            blocked.setdefault(parent, set()).update(children)
+    lines = [
+        "set -e",
+        # Bind the run dir onto itself first, so it stays writable when /tmp becomes read-only.
+        'mount --bind "$1" "$1"',
+        "for d in /tmp /var/tmp /dev/shm; do mount --rbind $d $d; mount -o remount,bind,ro $d; done",
+    ]
+    for parent, children in sorted(blocked.items()):
+        # Stash each needed child under the run dir, cover the parent with an empty tmpfs, move it back.
+        children = sorted(children)
+        for j, child in enumerate(children):
+            lines.append(f'mkdir "$1/.stash{j}"; mount --bind "{parent}/{child}" "$1/.stash{j}"')
+        lines.append(f'mount -t tmpfs -o size=64k,mode=755 tmpfs "{parent}"')
+        for j, child in enumerate(children):
+            lines.append(f'mkdir "{parent}/{child}"; mount --move "$1/.stash{j}" "{parent}/{child}"')
+            lines.append(f'rmdir "$1/.stash{j}"')
+    # The shell stays as pid 1 (root, unkillable by the code) and waits; when it exits the namespace dies.
+    lines.append(
+        'setpriv --reuid="$2" --regid="$2" --clear-groups --no-new-privs -- "$3" -I main.py; exit $?'
+    )
+    return "\n".join(lines)
+
+
+def _python_paths() -> list[str]:
+    return [sys.executable, sys.prefix, sys.base_prefix]
+
+
+@functools.cache
+def isolation_mode() -> str:
+    """'root-ns', 'user-ns' or 'none': the strongest isolation that actually works here (cached)."""
+    if os.geteuid() == 0 and shutil.which("unshare") and shutil.which("setpriv"):
+        workdir = tempfile.mkdtemp(prefix="sandbox-probe-")
+        try:
+            with open(os.path.join(workdir, "main.py"), "w") as f:
+                f.write("print(1)")
+            os.chown(workdir, SANDBOX_UID_BASE, SANDBOX_UID_BASE)
+            argv = _root_ns_argv(workdir, SANDBOX_UID_BASE)
+            probe = subprocess.run(argv, cwd=workdir, env={"PATH": "/usr/bin:/bin"}, capture_output=True, timeout=30)
+            if probe.returncode == 0 and probe.stdout == b"1\n":
+                return "root-ns"
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+    if os.geteuid() != 0 and shutil.which("unshare"):
+        if subprocess.run(["unshare", "-rn", "true"], capture_output=True).returncode == 0:
+            return "user-ns"
+    return "none"
+
+
+def _root_ns_argv(workdir: str, uid: int) -> list[str]:
+    return ["unshare", "--net", "--pid", "--fork", "--kill-child", "--mount-proc", "--",
+            "/bin/sh", "-c", _prologue(_python_paths()), "sh", workdir, str(uid), sys.executable]
+
+
+# RUNNING ONE CALL
+
+
+def _limits(timeout_s: float, nproc: int) -> None:
+    """preexec_fn: rlimits for the whole process tree (inherited across fork and exec)."""
+    cpu = int(timeout_s) + 1
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES))
+    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (MAX_FILE_BYTES, MAX_FILE_BYTES))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (MAX_OPEN_FILES, MAX_OPEN_FILES))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def _user_process_count() -> int:
+    uid = os.getuid()
+    n = 0
+    for pid in os.listdir("/proc"):
+        try:
+            n += pid.isdigit() and os.stat(f"/proc/{pid}").st_uid == uid
+        except OSError:
+            pass
+    return n
+
+
+def _kill_uid(uid: int) -> None:
+    """SIGKILL every process owned by `uid` (root only), until none is left; a fork bomb is bounded by
+    RLIMIT_NPROC, so this converges in a few rounds."""
+    for _ in range(100):
+        found = False
+        for pid in os.listdir("/proc"):
+            try:
+                if pid.isdigit() and os.stat(f"/proc/{pid}").st_uid == uid:
+                    os.kill(int(pid), signal.SIGKILL)
+                    found = True
+            except OSError:  # exited meanwhile
+                pass
+        if not found:
+            return
+
+
+async def _drain(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, bytes, int]:
+    """Read to EOF, keeping the first and last cap/2 bytes; returns (head, tail, total bytes)."""
+    half = cap // 2
+    head, tail, total = bytearray(), bytearray(), 0
+    while chunk := await stream.read(1 << 16):
+        total += len(chunk)
+        room = half - len(head)
+        if room > 0:
+            head += chunk[:room]
+            chunk = chunk[room:]
+        tail += chunk
+        if len(tail) > half:
+            del tail[: len(tail) - half]
+    return bytes(head), bytes(tail), total
+
+
+def _signal_kill(proc: asyncio.subprocess.Process) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # start_new_session: the group id is the pid
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+async def run_python(
+    code: str, timeout_s: float = 10.0, max_output_bytes: int = MAX_OUTPUT_BYTES, uid: int = SANDBOX_UID_BASE
+) -> SandboxResult:
+    """Run `code` as a fresh `python -I main.py` in a fresh directory; see the module docstring.
+
+    `uid` is the unprivileged uid the code runs as (root-ns mode only). Cleanup kills every process of
+    that uid, so two concurrent runs must not share one: use `Sandbox`, which hands out distinct uids.
+    Never raises for anything the code does; a failure to start is reported in `error`.
+    """
+    mode = isolation_mode()
+    start = time.monotonic()
+    workdir = tempfile.mkdtemp(prefix="sandbox-")
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": workdir,
+        "TMPDIR": workdir,
+        "LANG": "C.UTF-8",
+        # BLAS thread pools count against RLIMIT_NPROC and RLIMIT_AS; one thread is plenty here.
+        "OPENBLAS_NUM_THREADS": "1",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
+    with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8", errors="replace") as f:
+        f.write(code)
+    if mode == "root-ns":
+        os.chown(workdir, uid, uid)
+        nproc = MAX_PROCESSES
+        argv = _root_ns_argv(workdir, uid)
+    elif mode == "user-ns":
+        nproc = _user_process_count() + MAX_PROCESSES
+        argv = ["unshare", "-rn", "--", sys.executable, "-I", "main.py"]
+    else:
+        nproc = _user_process_count() + MAX_PROCESSES if os.geteuid() != 0 else MAX_PROCESSES
+        argv = [sys.executable, "-I", "main.py"]
+    timed_out, error = False, ""
+    head, tail, total = b"", b"", 0
+    proc = None
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, cwd=workdir, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+            preexec_fn=functools.partial(_limits, timeout_s, nproc),
+        )
+        drain = asyncio.ensure_future(_drain(proc.stdout, max_output_bytes))
+        try:
+            await asyncio.wait_for(proc.wait(), timeout_s)
+        except TimeoutError:
+            timed_out = True
+        # Always: kill what is left (the code on timeout; background children after a normal exit).
+        _signal_kill(proc)
+        if mode == "root-ns":
+            _kill_uid(uid)
+        await proc.wait()
+        try:
+            head, tail, total = await asyncio.wait_for(drain, 2.0)
+        except TimeoutError:  # a writer escaped the kill (only possible without namespaces)
+            error = "output pipe still open after kill"
+    except OSError as e:
+        error = f"sandbox failed to start: {e}"
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    exit_code = None if proc is None else proc.returncode
+    if exit_code is not None and exit_code < 0:  # killed by a signal, asyncio's convention
+        exit_code = 128 - exit_code
+    if timed_out:
+        error = f"timed out after {timeout_s:g} s"
+    elif exit_code is not None and exit_code > 128 and not error:
+        error = f"killed by signal {exit_code - 128} ({_signal_name(exit_code - 128)})"
+    truncated = total > len(head) + len(tail)
+    out = head + tail if not truncated else head + _MARKER.format(n=total - len(head) - len(tail)).encode() + tail
+    return SandboxResult(
+        output=out.decode("utf-8", errors="replace"), exit_code=exit_code, timed_out=timed_out,
+        truncated=truncated, duration_s=time.monotonic() - start, error=error,
+    )
+
+
+def _signal_name(n: int) -> str:
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return "unknown"
+
+
+class Sandbox:
+    """Caps concurrent runs and gives each live run its own uid; each `run` is otherwise independent."""
+
+    def __init__(self, max_concurrency: int = 4, uid_base: int = SANDBOX_UID_BASE):
+        self.semaphore = asyncio.Semaphore(max_concurrency)
+        self.free_uids = list(range(uid_base, uid_base + max_concurrency))
+
+    async def run(self, code: str, timeout_s: float = 10.0, max_output_bytes: int = MAX_OUTPUT_BYTES) -> SandboxResult:
+        async with self.semaphore:
+            uid = self.free_uids.pop()
+            try:
+                return await run_python(code, timeout_s, max_output_bytes, uid)
+            finally:
+                self.free_uids.append(uid)
