@@ -6,13 +6,14 @@
 
 Stateless per call: every call gets a fresh `python -I` process, a fresh temporary directory as cwd
 (removed afterwards) and a fresh environment; nothing a call does (files, variables, imports, background
-processes) is visible to the next call. The only state is in `Sandbox`: the semaphore that caps how many
-runs are live, and the pool of sandbox uids that belong to the live runs.
+processes) is visible to the next call. The only state is the semaphore in `Sandbox` that caps how many
+runs are live.
 
 What contains what (isolation mode "root-ns", used when we are root and `unshare` works; true here):
 - wall clock: `timeout_s`, then SIGKILL to the process group and to every process owned by the run's uid.
-- forks and stray children: the code runs as its own unprivileged uid (one per concurrent slot, so
-  RLIMIT_NPROC counts only that run's processes: root ignores RLIMIT_NPROC, which is why we switch uid),
+- forks and stray children: the code runs as its own unprivileged uid, drawn at random per run from a
+  range of 2^30 uids no account uses (so RLIMIT_NPROC counts only that run's processes; root ignores
+  RLIMIT_NPROC, which is why we switch uid; a collision between two live runs has odds ~1e-8),
   in a new pid namespace whose init is a root shell; when the code exits, the namespace dies and the kernel
   kills whatever it left behind, even processes that called setsid().
 - memory, CPU, file size, open files: RLIMIT_AS, RLIMIT_CPU, RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CORE=0.
@@ -35,6 +36,7 @@ processes, so it is set to the current count plus a margin, which bounds a fork 
 import asyncio
 import functools
 import os
+import random
 import resource
 import shutil
 import signal
@@ -45,11 +47,16 @@ import time
 from dataclasses import dataclass
 
 MAX_OUTPUT_BYTES = 16 * 1024  # what the model sees; a tool message should stay small
-MEMORY_LIMIT_BYTES = 2 * 1024**3  # RLIMIT_AS: address space, generous for numpy/sympy imports
+MEMORY_LIMIT_BYTES = (
+    2 * 1024**3
+)  # RLIMIT_AS: address space, generous for numpy/sympy imports
 MAX_PROCESSES = 32  # RLIMIT_NPROC for the sandbox uid (threads count too)
 MAX_FILE_BYTES = 16 * 1024**2  # RLIMIT_FSIZE: largest file the code may write
 MAX_OPEN_FILES = 128  # RLIMIT_NOFILE
-SANDBOX_UID_BASE = 61000  # uids SANDBOX_UID_BASE .. +max_concurrency-1 are used for runs; must be unused
+UID_RANGE = (
+    1 << 30,
+    (1 << 31) - 2,
+)  # sandbox uids are drawn from here; no real account should be in it
 
 _MARKER = "\n\n... [{n} bytes of output omitted] ...\n\n"
 
@@ -57,7 +64,9 @@ _MARKER = "\n\n... [{n} bytes of output omitted] ...\n\n"
 @dataclass
 class SandboxResult:
     output: str  # stdout and stderr interleaved, decoded with errors="replace", middle cut past the cap
-    exit_code: int | None  # the code's exit status; 128+N if killed by signal N; None if it never ran
+    exit_code: (
+        int | None
+    )  # the code's exit status; 128+N if killed by signal N; None if it never ran
     timed_out: bool  # killed by the wall-clock timeout
     truncated: bool  # output was longer than max_output_bytes
     duration_s: float  # wall-clock time of the whole call, setup and cleanup included
@@ -94,10 +103,14 @@ def _prologue(python_paths: list[str]) -> str:
         # Stash each needed child under the run dir, cover the parent with an empty tmpfs, move it back.
         children = sorted(children)
         for j, child in enumerate(children):
-            lines.append(f'mkdir "$1/.stash{j}"; mount --bind "{parent}/{child}" "$1/.stash{j}"')
+            lines.append(
+                f'mkdir "$1/.stash{j}"; mount --bind "{parent}/{child}" "$1/.stash{j}"'
+            )
         lines.append(f'mount -t tmpfs -o size=64k,mode=755 tmpfs "{parent}"')
         for j, child in enumerate(children):
-            lines.append(f'mkdir "{parent}/{child}"; mount --move "$1/.stash{j}" "{parent}/{child}"')
+            lines.append(
+                f'mkdir "{parent}/{child}"; mount --move "$1/.stash{j}" "{parent}/{child}"'
+            )
             lines.append(f'rmdir "$1/.stash{j}"')
     # The shell stays as pid 1 (root, unkillable by the code) and waits; when it exits the namespace dies.
     lines.append(
@@ -118,9 +131,17 @@ def isolation_mode() -> str:
         try:
             with open(os.path.join(workdir, "main.py"), "w") as f:
                 f.write("print(1)")
-            os.chown(workdir, SANDBOX_UID_BASE, SANDBOX_UID_BASE)
-            argv = _root_ns_argv(workdir, SANDBOX_UID_BASE)
-            probe = subprocess.run(argv, cwd=workdir, env={"PATH": "/usr/bin:/bin"}, capture_output=True, timeout=30)
+            uid = random.SystemRandom().randint(*UID_RANGE)
+            os.chown(workdir, uid, uid)
+            argv = _root_ns_argv(workdir, uid)
+            probe = subprocess.run(
+                argv,
+                cwd=workdir,
+                env={"PATH": "/usr/bin:/bin"},
+                capture_output=True,
+                timeout=30,
+                check=False,
+            )
             if probe.returncode == 0 and probe.stdout == b"1\n":
                 return "root-ns"
         except (OSError, subprocess.TimeoutExpired):
@@ -128,14 +149,31 @@ def isolation_mode() -> str:
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
     if os.geteuid() != 0 and shutil.which("unshare"):
-        if subprocess.run(["unshare", "-rn", "true"], capture_output=True).returncode == 0:
+        probe = subprocess.run(
+            ["unshare", "-rn", "true"], capture_output=True, check=False
+        )
+        if probe.returncode == 0:
             return "user-ns"
     return "none"
 
 
 def _root_ns_argv(workdir: str, uid: int) -> list[str]:
-    return ["unshare", "--net", "--pid", "--fork", "--kill-child", "--mount-proc", "--",
-            "/bin/sh", "-c", _prologue(_python_paths()), "sh", workdir, str(uid), sys.executable]
+    return [
+        "unshare",
+        "--net",
+        "--pid",
+        "--fork",
+        "--kill-child",
+        "--mount-proc",
+        "--",
+        "/bin/sh",
+        "-c",
+        _prologue(_python_paths()),
+        "sh",
+        workdir,
+        str(uid),
+        sys.executable,
+    ]
 
 
 # RUNNING ONE CALL
@@ -195,23 +233,34 @@ async def _drain(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, bytes, 
     return bytes(head), bytes(tail), total
 
 
+def _write_code(workdir: str, code: str) -> None:
+    # A few KB written synchronously: cheaper than a thread hop.
+    with open(
+        os.path.join(workdir, "main.py"), "w", encoding="utf-8", errors="replace"
+    ) as f:
+        f.write(code)
+
+
 def _signal_kill(proc: asyncio.subprocess.Process) -> None:
     try:
-        os.killpg(proc.pid, signal.SIGKILL)  # start_new_session: the group id is the pid
+        os.killpg(
+            proc.pid, signal.SIGKILL
+        )  # start_new_session: the group id is the pid
     except (ProcessLookupError, PermissionError):
         pass
 
 
 async def run_python(
-    code: str, timeout_s: float = 10.0, max_output_bytes: int = MAX_OUTPUT_BYTES, uid: int = SANDBOX_UID_BASE
+    code: str,
+    timeout_s: float = 10.0,
+    max_output_bytes: int = MAX_OUTPUT_BYTES,
 ) -> SandboxResult:
     """Run `code` as a fresh `python -I main.py` in a fresh directory; see the module docstring.
 
-    `uid` is the unprivileged uid the code runs as (root-ns mode only). Cleanup kills every process of
-    that uid, so two concurrent runs must not share one: use `Sandbox`, which hands out distinct uids.
-    Never raises for anything the code does; a failure to start is reported in `error`.
+    No concurrency cap: use a shared `Sandbox` for that. Never raises for anything the code does; a failure to start is reported in `error`.
     """
     mode = isolation_mode()
+    uid = random.randint(*UID_RANGE)  # OS entropy: immune to random.seed()
     start = time.monotonic()
     workdir = tempfile.mkdtemp(prefix="sandbox-")
     env = {
@@ -224,8 +273,7 @@ async def run_python(
         "OMP_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
     }
-    with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8", errors="replace") as f:
-        f.write(code)
+    _write_code(workdir, code)
     if mode == "root-ns":
         os.chown(workdir, uid, uid)
         nproc = MAX_PROCESSES
@@ -234,15 +282,24 @@ async def run_python(
         nproc = _user_process_count() + MAX_PROCESSES
         argv = ["unshare", "-rn", "--", sys.executable, "-I", "main.py"]
     else:
-        nproc = _user_process_count() + MAX_PROCESSES if os.geteuid() != 0 else MAX_PROCESSES
+        nproc = (
+            _user_process_count() + MAX_PROCESSES
+            if os.geteuid() != 0
+            else MAX_PROCESSES
+        )
         argv = [sys.executable, "-I", "main.py"]
     timed_out, error = False, ""
     head, tail, total = b"", b"", 0
     proc = None
     try:
         proc = await asyncio.create_subprocess_exec(
-            *argv, cwd=workdir, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+            *argv,
+            cwd=workdir,
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
             preexec_fn=functools.partial(_limits, timeout_s, nproc),
         )
         drain = asyncio.ensure_future(_drain(proc.stdout, max_output_bytes))
@@ -257,24 +314,36 @@ async def run_python(
         await proc.wait()
         try:
             head, tail, total = await asyncio.wait_for(drain, 2.0)
-        except TimeoutError:  # a writer escaped the kill (only possible without namespaces)
+        except (
+            TimeoutError
+        ):  # a writer escaped the kill (only possible without namespaces)
             error = "output pipe still open after kill"
     except OSError as e:
         error = f"sandbox failed to start: {e}"
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     exit_code = None if proc is None else proc.returncode
-    if exit_code is not None and exit_code < 0:  # killed by a signal, asyncio's convention
+    if (
+        exit_code is not None and exit_code < 0
+    ):  # killed by a signal, asyncio's convention
         exit_code = 128 - exit_code
     if timed_out:
         error = f"timed out after {timeout_s:g} s"
     elif exit_code is not None and exit_code > 128 and not error:
         error = f"killed by signal {exit_code - 128} ({_signal_name(exit_code - 128)})"
     truncated = total > len(head) + len(tail)
-    out = head + tail if not truncated else head + _MARKER.format(n=total - len(head) - len(tail)).encode() + tail
+    out = (
+        head + tail
+        if not truncated
+        else head + _MARKER.format(n=total - len(head) - len(tail)).encode() + tail
+    )
     return SandboxResult(
-        output=out.decode("utf-8", errors="replace"), exit_code=exit_code, timed_out=timed_out,
-        truncated=truncated, duration_s=time.monotonic() - start, error=error,
+        output=out.decode("utf-8", errors="replace"),
+        exit_code=exit_code,
+        timed_out=timed_out,
+        truncated=truncated,
+        duration_s=time.monotonic() - start,
+        error=error,
     )
 
 
@@ -286,16 +355,16 @@ def _signal_name(n: int) -> str:
 
 
 class Sandbox:
-    """Caps concurrent runs and gives each live run its own uid; each `run` is otherwise independent."""
+    """Caps how many runs are live at once (share one per trainer); each run is independent."""
 
-    def __init__(self, max_concurrency: int = 4, uid_base: int = SANDBOX_UID_BASE):
+    def __init__(self, max_concurrency: int = 4):
         self.semaphore = asyncio.Semaphore(max_concurrency)
-        self.free_uids = list(range(uid_base, uid_base + max_concurrency))
 
-    async def run(self, code: str, timeout_s: float = 10.0, max_output_bytes: int = MAX_OUTPUT_BYTES) -> SandboxResult:
+    async def run(
+        self,
+        code: str,
+        timeout_s: float = 10.0,
+        max_output_bytes: int = MAX_OUTPUT_BYTES,
+    ) -> SandboxResult:
         async with self.semaphore:
-            uid = self.free_uids.pop()
-            try:
-                return await run_python(code, timeout_s, max_output_bytes, uid)
-            finally:
-                self.free_uids.append(uid)
+            return await run_python(code, timeout_s, max_output_bytes)
