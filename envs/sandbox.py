@@ -257,10 +257,13 @@ async def run_python(
 ) -> SandboxResult:
     """Run `code` as a fresh `python -I main.py` in a fresh directory; see the module docstring.
 
-    No concurrency cap: use a shared `Sandbox` for that. Never raises for anything the code does; a failure to start is reported in `error`.
+    No concurrency cap: use a shared `Sandbox` for that. Never raises for anything the code does;
+    a failure to start is reported in `error`.
     """
     mode = isolation_mode()
-    uid = random.randint(*UID_RANGE)  # OS entropy: immune to random.seed()
+    uid = random.SystemRandom().randint(
+        *UID_RANGE
+    )  # OS entropy: immune to random.seed()
     start = time.monotonic()
     workdir = tempfile.mkdtemp(prefix="sandbox-")
     env = {
