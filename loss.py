@@ -118,7 +118,7 @@ def grpo_loss(
             "clip_low": ((advantages < 0) & (ratio < 1 - eps_low) & on).sum().to(m.dtype),
             "clip_high": ((advantages > 0) & (ratio > 1 + eps_high) & on).sum().to(m.dtype),
             "is_ratio": (is_ratio * m).sum(),
-            "is_ratio_max": is_ratio[on].max() if on.any() else torch.zeros((), dtype=m.dtype),
+            "is_ratio_max": is_ratio[on].max() if on.any() else m.new_zeros(()),
             "is_capped": ((is_ratio > is_cap) & on).sum().to(m.dtype),
             "mismatch_kl": ((is_ratio - log_is - 1) * m).sum(),
         }
