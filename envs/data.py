@@ -1,0 +1,74 @@
+"""Dataset rows for the envs: `load_rows(path_or_name) -> [{"question": str, "answer": str, ...}]`.
+
+Column mapping, first match wins (other columns are kept as they are):
+- question <- `question`, `problem`, `prompt`; a `prompt` that is a list of chat messages (DAPO-Math-17k)
+  gives its last user message's content.
+- answer <- `answer`, `solution`, `reward_model["ground_truth"]` (DAPO-Math-17k); an answer containing
+  `####` (GSM8K) gives the text after the last `####`, with thousands separators removed.
+Any row without a question or an answer raises ValueError naming the row index and the field, so a bad
+dataset fails before training starts.
+"""
+
+import json
+import os
+
+
+def _question(row: dict) -> str | None:
+    for key in ("question", "problem", "prompt"):
+        q = row.get(key)
+        if isinstance(q, list):  # chat messages
+            users = [
+                m.get("content")
+                for m in q
+                if isinstance(m, dict) and m.get("role") == "user"
+            ]
+            q = users[-1] if users else None
+        if isinstance(q, str) and q.strip():
+            return q
+    return None
+
+
+def _answer(row: dict) -> str | None:
+    a = row.get("answer", row.get("solution"))
+    if a is None and isinstance(row.get("reward_model"), dict):
+        a = row["reward_model"].get("ground_truth")
+    if a is None or (isinstance(a, str) and not a.strip()):
+        return None
+    a = str(a)
+    if "####" in a:  # GSM8K: reasoning, then "#### 72"
+        a = a.rsplit("####", 1)[1].strip().replace(",", "")
+    return a
+
+
+def normalize_rows(raw: list[dict]) -> list[dict]:
+    rows = []
+    for i, r in enumerate(raw):
+        q, a = _question(r), _answer(r)
+        if q is None:
+            raise ValueError(
+                f"row {i}: no question (looked for 'question', 'problem', 'prompt')"
+            )
+        if a is None:
+            raise ValueError(
+                f"row {i}: no answer (looked for 'answer', 'solution', 'reward_model.ground_truth')"
+            )
+        rows.append({**r, "question": q, "answer": a})
+    return rows
+
+
+def load_rows(path_or_name: str, split: str = "train") -> list[dict]:
+    """Rows from a local .jsonl / .parquet file, or a Hugging Face dataset name (its `split`)."""
+    if path_or_name.endswith(".jsonl"):
+        with open(path_or_name) as f:
+            raw = [json.loads(line) for line in f if line.strip()]
+    elif path_or_name.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        raw = pq.read_table(path_or_name).to_pylist()
+    elif os.path.exists(path_or_name):
+        raise ValueError(f"{path_or_name}: expected a .jsonl or .parquet file")
+    else:
+        import datasets
+
+        raw = list(datasets.load_dataset(path_or_name, split=split))
+    return normalize_rows(raw)

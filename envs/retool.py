@@ -1,0 +1,112 @@
+"""ReTool-style math with a Python interpreter (`--env retool`).
+
+The model may call `code_interpreter(code)` any number of times (the rollout worker decides the turn
+budget; `is_done` never ends an episode early) and finishes with the answer in \\boxed{}. The tool's
+schema reaches the model through the chat template (`tools=`), not through SYSTEM_PROMPT.
+
+Reward: the same as `--env math` (1.0 for a matching \\boxed{} answer, else `wrong_reward`), plus an
+optional tool-use term, off by default. verl's and slime's ReTool recipes add it only to wrong answers,
+so it can never outweigh being right: score = min(-0.6, -1 + (num_turns - 2) / 2 * 0.1), i.e. +0.1 per
+tool round, at most +0.4. We do the same relative to `wrong_reward`, counting successful calls only
+(a failed call is not tool use worth encouraging): wrong -> wrong_reward + min(0.4, tool_bonus * n).
+They use it because small models' tool use otherwise collapses early in RL; try `tool_bonus=0.1`.
+"""
+
+import re
+from dataclasses import dataclass, field
+
+from envs.math_env import WRONG_REWARD, answers_match, final_answer
+from envs.sandbox import Sandbox, SandboxResult, run_python
+
+SYSTEM_PROMPT = (
+    "Solve the problem. Use the code_interpreter tool for exact computation. "
+    "Put the final answer in \\boxed{}."
+)
+TOOL_BONUS = 0.0  # per successful tool call, wrong answers only; 0.1 matches verl/slime
+MAX_TOOL_BONUS = 0.4  # cap on the bonus (verl/slime: -1 + 0.4 = -0.6)
+TOOL_TIMEOUT_S = 10.0
+
+_FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
+
+
+def strip_fence(code: str) -> str:
+    """The body of the first ```python fence if the model wrapped its code in one, else `code`."""
+    m = _FENCE.search(code)
+    return m.group(1) if m else code
+
+
+def format_result(r: SandboxResult, timeout_s: float) -> str:
+    """What the model reads back: the output, and a precise note when the run did not end normally."""
+    out = r.output
+    if r.timed_out:
+        out += f"\n[timed out after {timeout_s:g} s; the process was killed]"
+    elif r.error:
+        out += f"\n[{r.error}; exit code {r.exit_code}]"
+    elif r.exit_code != 0:
+        out += f"\n[exit code {r.exit_code}]"
+    if not out.strip():
+        out = "[no output; use print() to see values]"
+    return out
+
+
+@dataclass
+class Episode:
+    messages: list[dict]  # initial chat: system + user
+    answer: str  # the row's ground truth
+    sandbox: Sandbox | None = None  # shared concurrency cap; None runs uncapped
+    wrong_reward: float = WRONG_REWARD
+    tool_bonus: float = TOOL_BONUS
+    timeout_s: float = TOOL_TIMEOUT_S
+    tools: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.tools = [self.code_interpreter]
+
+    async def code_interpreter(self, code: str) -> str:
+        """Run Python code and return everything it printed (stdout and stderr).
+
+        Args:
+            code: A complete Python program; print the values you need. numpy and sympy are available.
+        """
+        code = strip_fence(code)
+        if self.sandbox is not None:
+            r = await self.sandbox.run(code, timeout_s=self.timeout_s)
+        else:
+            r = await run_python(code, timeout_s=self.timeout_s)
+        if (
+            r.exit_code is None
+        ):  # the sandbox itself failed: the worker records a failed call
+            raise RuntimeError(r.error)
+        return format_result(r, self.timeout_s)
+
+    def reward(self, messages: list[dict], tool_calls: list) -> float:
+        """1.0 for a matching final \\boxed{} answer; else wrong_reward plus the capped tool bonus."""
+        if answers_match(final_answer(messages), self.answer):
+            return 1.0
+        n_ok = sum(1 for c in tool_calls if not getattr(c, "failed", True))
+        return self.wrong_reward + min(MAX_TOOL_BONUS, self.tool_bonus * n_ok)
+
+    def is_done(self) -> bool:
+        """Never ends early: the episode ends when the model answers without a tool call."""
+        return False
+
+
+def make_episode(
+    row: dict,
+    sandbox: Sandbox | None = None,
+    wrong_reward: float = WRONG_REWARD,
+    tool_bonus: float = TOOL_BONUS,
+) -> Episode:
+    """One episode for a row with `question` and `answer`. Pass one shared `Sandbox` for all episodes
+    (e.g. `functools.partial(make_episode, sandbox=Sandbox(4))`) to cap concurrent interpreter runs."""
+    messages = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": row["question"]},
+    ]
+    return Episode(
+        messages=messages,
+        answer=str(row["answer"]),
+        sandbox=sandbox,
+        wrong_reward=wrong_reward,
+        tool_bonus=tool_bonus,
+    )
