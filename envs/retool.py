@@ -73,9 +73,8 @@ class Episode:
             r = await self.sandbox.run(code, timeout_s=self.timeout_s)
         else:
             r = await run_python(code, timeout_s=self.timeout_s)
-        if (
-            r.exit_code is None
-        ):  # the sandbox itself failed: the worker records a failed call
+        # The sandbox itself failed to start: raise, so the worker records a failed call.
+        if r.exit_code is None:
             raise RuntimeError(r.error)
         return format_result(r, self.timeout_s)
 

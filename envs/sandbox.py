@@ -317,18 +317,16 @@ async def run_python(
         await proc.wait()
         try:
             head, tail, total = await asyncio.wait_for(drain, 2.0)
-        except (
-            TimeoutError
-        ):  # a writer escaped the kill (only possible without namespaces)
+        # A writer escaped the kill (only possible without namespaces).
+        except TimeoutError:
             error = "output pipe still open after kill"
     except OSError as e:
         error = f"sandbox failed to start: {e}"
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     exit_code = None if proc is None else proc.returncode
-    if (
-        exit_code is not None and exit_code < 0
-    ):  # killed by a signal, asyncio's convention
+    # asyncio reports death by signal N as -N; the shell convention 128+N reads the same in every mode.
+    if exit_code is not None and exit_code < 0:
         exit_code = 128 - exit_code
     if timed_out:
         error = f"timed out after {timeout_s:g} s"
