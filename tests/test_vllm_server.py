@@ -1,0 +1,88 @@
+"""The foundation every token-accounting test stands on: the real engine, the tiny model and its tokenizer
+agree, and the launcher leaves nothing behind."""
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from vllm_server import group_pids, start_vllm_server
+
+
+def post(url: str, body: dict, timeout: float = 60) -> dict:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def test_token_ids_and_logprobs_match_transformers(vllm_server, tiny_model):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    messages = [{"role": "user", "content": "What is 4821 * 937?"}]
+    prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    out = post(
+        f"{vllm_server.url}/v1/completions",
+        {
+            "model": str(tiny_model),
+            "prompt": prompt_ids,
+            "max_tokens": 48,
+            "temperature": 1.0,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "ignore_eos": True,
+            "seed": 1,
+        },
+    )
+    choice = out["choices"][0]
+    completion_ids = choice["token_ids"]
+    behaviour_logprobs = choice["logprobs"]["token_logprobs"]
+    assert len(completion_ids) == len(behaviour_logprobs) == 48
+    assert choice["prompt_token_ids"] == prompt_ids
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    ids = torch.tensor([prompt_ids + completion_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1]
+    trainer_logprobs = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion_ids)[:, None])[:, 0]
+    torch.testing.assert_close(trainer_logprobs, torch.tensor(behaviour_logprobs), atol=1e-3, rtol=0)
+
+
+def test_failed_start_reports_log_tail(tmp_path):
+    # A model directory with no config: the server dies early and the error must carry its log.
+    (tmp_path / "not-a-model").mkdir()
+    with pytest.raises(RuntimeError, match="log .* ends with"):
+        start_vllm_server(str(tmp_path / "not-a-model"), log_dir=tmp_path, timeout_s=120)
+
+
+@pytest.mark.timeout(300)
+def test_server_dies_with_a_killed_parent(tiny_model, tmp_path):
+    """SIGKILL the process that started a server: the whole server process group must go with it."""
+    child = textwrap.dedent(
+        f"""
+        import os, sys, time
+        from vllm_server import group_pids, start_vllm_server
+        s = start_vllm_server({str(tiny_model)!r}, log_dir={str(tmp_path)!r})
+        print(s.proc.pid, flush=True)
+        time.sleep(600)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+    try:
+        server_pgid = int(proc.stdout.readline())
+        assert group_pids(server_pgid), "server group should be running before the kill"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 30
+        while group_pids(server_pgid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert group_pids(server_pgid) == [], "vLLM processes outlived the killed parent"
+    finally:
+        proc.kill()

@@ -1,0 +1,260 @@
+"""Start and stop real vLLM OpenAI-compatible servers — the one launcher the train script, tests,
+benchmarks and `make serve` share.
+
+    python vllm_server.py --model models/tiny            # serve until Ctrl-C
+
+Each server runs `python -m vllm.entrypoints.openai.api_server` in its own session (process group), so
+stopping it kills the API process and every engine process it spawned. `VLLM_SERVER_DEV_MODE=1` exposes
+the /pause, /resume and weight-transfer routes; `--logprobs-mode processed_logprobs` makes the returned
+logprobs the ones the sampler used (after temperature), which is what the GRPO loss needs as μ.
+"""
+
+import argparse
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+# Engine processes started by this Python process; killed at exit even if the caller forgot.
+_live_servers: list["VLLMServer"] = []
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Live processes in a process group (a server's group id is its API process's pid)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getpgid(int(entry)) == pgid:
+                    pids.append(int(entry))
+            except ProcessLookupError:
+                pass
+    return pids
+
+
+def _die_with_parent() -> None:
+    # The API server dies when the process that started it dies, even by SIGKILL: no orphaned engines.
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    os.setsid()
+
+
+class VLLMServer:
+    """One running vLLM server process (and its engine children, all in one process group)."""
+
+    def __init__(self, proc: subprocess.Popen, url: str, log_path: Path):
+        self.proc = proc
+        self.url = url
+        self.log_path = log_path
+
+    def log_tail(self, n_chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n_chars:]
+        except OSError as e:
+            return f"(log unreadable: {e})"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(
+                    f"vLLM server {self.url} exited with code {self.proc.returncode} during start-up; "
+                    f"log {self.log_path} ends with:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(
+            f"vLLM server {self.url} not healthy after {timeout_s:.0f} s; "
+            f"log {self.log_path} ends with:\n{self.log_tail()}"
+        )
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the whole process group, SIGKILL what is left after `grace_s`."""
+        if self in _live_servers:
+            _live_servers.remove(self)
+        if self.proc.poll() is None:
+            _kill_group(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        # Engine children can outlive the API process; the group kill reaches them either way.
+        _kill_group(self.proc.pid, signal.SIGKILL)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def __enter__(self) -> "VLLMServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _kill_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def start_vllm_server(
+    model: str,
+    *,
+    port: int | None = None,
+    max_model_len: int = 2048,
+    dtype: str = "float32",
+    weight_transfer_backend: str | None = None,
+    visible_devices: str | None = None,
+    tensor_parallel_size: int = 1,
+    kv_cache_gib: int = 1,
+    cpu_threads_bind: str | None = None,
+    extra_args: list[str] | None = None,
+    log_dir: str | Path | None = None,
+    wait: bool = True,
+    timeout_s: float = 300.0,
+) -> VLLMServer:
+    """Launch one server and (by default) block until /health answers or `timeout_s` passes.
+
+    `weight_transfer_backend` defaults to nccl on GPU and gloo on CPU; the gloo engine lives in
+    `weight_sync.py`, imported into the workers by `--worker-extension-cls`. `visible_devices` pins a
+    GPU group (data parallel = one server per group). `kv_cache_gib` sizes the CPU KV cache; 1 GiB holds
+    far more than the tiny model needs and leaves the 24 GiB machine to the trainer.
+    """
+    port = port or free_port()
+    on_gpu = torch.cuda.is_available()
+    backend = weight_transfer_backend or ("nccl" if on_gpu else "gloo")
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="vllm-logs-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"vllm-{port}.log"
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--dtype", dtype,
+        "--max-model-len", str(max_model_len),
+        "--logprobs-mode", "processed_logprobs",
+        "--tensor-parallel-size", str(tensor_parallel_size),
+        "--weight-transfer-config", f'{{"backend": "{backend}"}}',
+        "--disable-log-stats",
+        "--seed", "0",
+    ]  # fmt: skip
+    if backend == "gloo":
+        cmd += ["--worker-extension-cls", "weight_sync.GlooWorkerExtension"]
+    if not on_gpu:
+        # Inductor warm-up costs ~50 s per start on 2 cores and buys nothing for a tiny model.
+        cmd += ["--enforce-eager"]
+    cmd += extra_args or []
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
+    # The worker imports weight_sync by module name: make the repo importable from any cwd.
+    repo = str(Path(__file__).resolve().parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [repo, env.get("PYTHONPATH", "")] if p)
+    if on_gpu:
+        if visible_devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = visible_devices
+    else:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        if cpu_threads_bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
+        )
+    server = VLLMServer(proc, f"http://127.0.0.1:{port}", log_path)
+    _live_servers.append(server)
+    if wait:
+        server.wait_healthy(timeout_s)
+    return server
+
+
+def start_vllm_servers(
+    model: str, num_servers: int = 1, gpus_per_server: int = 1, **kwargs
+) -> list[VLLMServer]:
+    """Data parallel: `num_servers` independent servers, each on its own group of GPUs (or the CPU).
+
+    All are launched before any is waited on, so their start-ups overlap.
+    """
+    on_gpu = torch.cuda.is_available()
+    servers = []
+    try:
+        for i in range(num_servers):
+            devices = (
+                ",".join(str(i * gpus_per_server + j) for j in range(gpus_per_server)) if on_gpu else None
+            )
+            servers.append(
+                start_vllm_server(
+                    model,
+                    visible_devices=devices,
+                    tensor_parallel_size=gpus_per_server if on_gpu else 1,
+                    wait=False,
+                    **kwargs,
+                )
+            )
+        for s in servers:
+            s.wait_healthy(kwargs.get("timeout_s", 300.0))
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return servers
+
+
+@atexit.register
+def stop_all_servers() -> None:
+    for s in list(_live_servers):
+        s.stop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="models/tiny", help="model directory or hub name")
+    p.add_argument("--port", type=int, default=8000, help="port of the first server")
+    p.add_argument("--num-servers", type=int, default=1, help="data-parallel servers (one per GPU group)")
+    p.add_argument("--max-model-len", type=int, default=2048, help="context length")
+    args = p.parse_args()
+    servers = []
+    try:
+        for i in range(args.num_servers):
+            servers.append(
+                start_vllm_server(args.model, port=args.port + i, max_model_len=args.max_model_len)
+            )
+            print(f"serving {args.model} at {servers[-1].url} (log {servers[-1].log_path})", flush=True)
+        while all(s.alive() for s in servers):
+            time.sleep(1)
+        print("a server exited; stopping", file=sys.stderr)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for s in servers:
+            s.stop()
+
+
+if __name__ == "__main__":
+    main()
