@@ -1,0 +1,201 @@
+"""envs/: load_env, rewards (math-verify equivalences, garbage), the retool tool, data loading, generator."""
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+
+import pytest
+from transformers.utils import get_json_schema
+
+from envs import load_env
+from envs.data import load_rows
+from envs.math_env import answers_match, last_boxed
+from envs.retool import strip_fence
+
+
+@dataclass
+class Call:  # the shape of the rollout worker's tool-call records
+    name: str
+    arguments: dict
+    result: str
+    failed: bool
+
+
+def final(text):
+    return [{"role": "user", "content": "q"}, {"role": "assistant", "content": text}]
+
+
+def test_load_env():
+    assert load_env("retool").__name__ == "envs.retool"
+    assert load_env("math").__name__ == "envs.math_env"
+    with pytest.raises(ValueError, match="available: math, retool"):
+        load_env("nope")
+
+
+@pytest.mark.parametrize("env", ["retool", "math"])
+def test_episode_shape(env):
+    mod = load_env(env)
+    ep = mod.make_episode({"question": "What is 2 * 3?", "answer": "6"})
+    assert [m["role"] for m in ep.messages] == ["system", "user"]
+    assert ep.messages[0]["content"] == mod.SYSTEM_PROMPT and "\\boxed" in mod.SYSTEM_PROMPT
+    assert ep.messages[1]["content"] == "What is 2 * 3?" and ep.answer == "6"
+    assert len(ep.tools) == (1 if env == "retool" else 0)
+
+
+@pytest.mark.parametrize(
+    ("pred", "gold", "ok"),
+    [
+        ("6", "6", True),
+        ("0.5", "\\frac{1}{2}", True),
+        ("1/2", "0.5", True),
+        ("\\dfrac{3}{4}", "0.75", True),
+        ("4,517,277", "4517277", True),
+        ("x^{2}", "x^2", True),
+        ("\\frac{\\sqrt{2}}{2}", "\\sqrt{2}/2", True),
+        ("7", "6", False),
+        ("", "6", False),
+        ("}{", "6", False),
+        ("\\frac{", "6", False),
+        ("9" * 5000, "6", False),
+    ],
+)
+def test_answers_match(pred, gold, ok):
+    assert answers_match(pred, gold) is ok
+
+
+def test_last_boxed():
+    assert last_boxed("\\boxed{1} then \\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
+    assert last_boxed("\\boxed{\\frac{a}{b^{2}}}") == "\\frac{a}{b^{2}}"
+    assert last_boxed("\\boxed{unbalanced") is None
+    assert last_boxed(None) is None and last_boxed("no box") is None
+
+
+@pytest.mark.parametrize("env", ["retool", "math"])
+def test_reward(env):
+    ep = load_env(env).make_episode({"question": "q", "answer": "\\frac{1}{2}"})
+    assert ep.reward(final("so \\boxed{0.5}"), []) == 1.0
+    assert ep.reward(final("\\boxed{0.4}"), []) == 0.0
+    # Only the last assistant message counts.
+    msgs = final("\\boxed{0.5}") + [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "hmm"}]
+    assert ep.reward(msgs, []) == 0.0
+    for garbage in [None, "", "\\boxed{" * 10_000, "}" * 10**6, "\\boxed{" + "1" * 10**6 + "}", "\x00\xff"]:
+        assert ep.reward(final(garbage), []) == 0.0
+    assert ep.reward([], []) == 0.0
+    assert ep.reward([{"role": "assistant"}, "not a dict"], []) == 0.0
+    strict = load_env(env).make_episode({"question": "q", "answer": "1"}, wrong_reward=-1.0)
+    assert strict.reward(final("\\boxed{2}"), []) == -1.0
+
+
+def test_reward_in_a_thread():
+    # math-verify's own timeouts use SIGALRM, which fails off the main thread; ours must not.
+    ep = load_env("math").make_episode({"question": "q", "answer": "\\frac{1}{2}"})
+    out = []
+    t = threading.Thread(target=lambda: out.append(ep.reward(final("\\boxed{0.5}"), [])))
+    t.start()
+    t.join()
+    assert out == [1.0]
+
+
+def test_tool_bonus():
+    retool = load_env("retool")
+    ok, bad = Call("code_interpreter", {}, "1", False), Call("code_interpreter", {}, "", True)
+    ep = retool.make_episode({"question": "q", "answer": "6"}, wrong_reward=-1.0, tool_bonus=0.1)
+    assert ep.reward(final("\\boxed{5}"), [ok, bad]) == pytest.approx(-0.9)  # failed calls don't count
+    assert ep.reward(final("\\boxed{5}"), [ok] * 10) == pytest.approx(-0.6)  # capped
+    assert ep.reward(final("\\boxed{6}"), [ok] * 10) == 1.0  # right answers get no bonus
+    plain = retool.make_episode({"question": "q", "answer": "6"})
+    assert plain.reward(final("\\boxed{5}"), [ok]) == 0.0  # off by default
+
+
+def test_tool_schema():
+    ep = load_env("retool").make_episode({"question": "q", "answer": "6"})
+    schema = get_json_schema(ep.tools[0])
+    fn = schema["function"]
+    assert fn["name"] == "code_interpreter" and fn["description"]
+    assert fn["parameters"]["required"] == ["code"]
+    assert fn["parameters"]["properties"]["code"]["type"] == "string"
+
+
+def test_strip_fence():
+    assert strip_fence("```python\nprint(1)\n```") == "print(1)\n"
+    assert strip_fence("Here:\n```py\nx = 2\n```\n") == "x = 2\n"
+    assert strip_fence("```\nprint(3)\n```") == "print(3)\n"
+    assert strip_fence("print(4)") == "print(4)"
+
+
+def test_code_interpreter():
+    ep = load_env("retool").make_episode({"question": "q", "answer": "6"})
+    tool = ep.tools[0]
+    assert asyncio.run(tool(code="```python\nprint(4821 * 937)\n```")) == "4517277\n"
+    out = asyncio.run(tool(code="1 / 0"))
+    assert "ZeroDivisionError" in out and "[exit code 1]" in out
+    assert "no output" in asyncio.run(tool(code="x = 1"))
+    ep.timeout_s = 1.0
+    assert "[timed out after 1 s" in asyncio.run(tool(code="while True: pass"))
+
+
+def test_episodes_are_isolated():
+    retool = load_env("retool")
+    a = retool.make_episode({"question": "qa", "answer": "1"}, tool_bonus=0.1)
+    b = retool.make_episode({"question": "qb", "answer": "2"})
+    assert a.tools[0] != b.tools[0] and a.messages is not b.messages
+    a.messages.append({"role": "assistant", "content": "x"})
+    assert len(b.messages) == 2 and b.tool_bonus == 0.0 and b.answer == "2"
+    # Interpreter state does not carry over between calls either.
+    asyncio.run(a.tools[0](code="open('f', 'w').write('1'); x = 5"))
+    assert "NameError" in asyncio.run(a.tools[0](code="print(x)"))
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_load_rows_layouts(tmp_path):
+    plain = write_jsonl(
+        tmp_path / "p.jsonl", [{"question": "1+1?", "answer": 2}, {"problem": "p", "solution": "s"}]
+    )
+    assert [(r["question"], r["answer"]) for r in load_rows(plain)] == [("1+1?", "2"), ("p", "s")]
+    gsm = write_jsonl(tmp_path / "g.jsonl", [{"question": "How many?", "answer": "3 + 4 = 7\n#### 1,072"}])
+    assert load_rows(gsm)[0]["answer"] == "1072"
+    dapo_row = {
+        "prompt": [{"role": "system", "content": "sys"}, {"role": "user", "content": "Find x."}],
+        "reward_model": {"ground_truth": "34", "style": "rule"},
+        "data_source": "math_dapo",
+    }
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([dapo_row]), tmp_path / "d.parquet")
+    row = load_rows(str(tmp_path / "d.parquet"))[0]
+    assert (row["question"], row["answer"], row["data_source"]) == ("Find x.", "34", "math_dapo")
+
+
+def test_load_rows_bad_rows(tmp_path):
+    no_answer = write_jsonl(tmp_path / "a.jsonl", [{"question": "q", "answer": "1"}, {"question": "q2"}])
+    with pytest.raises(ValueError, match=r"row 1: no answer"):
+        load_rows(no_answer)
+    no_question = write_jsonl(tmp_path / "b.jsonl", [{"prompt": [], "answer": "1"}])
+    with pytest.raises(ValueError, match=r"row 0: no question"):
+        load_rows(no_question)
+    (tmp_path / "c.csv").write_text("question,answer\n")
+    with pytest.raises(ValueError, match="expected a .jsonl or .parquet"):
+        load_rows(str(tmp_path / "c.csv"))
+
+
+def test_shipped_data_and_generator(tmp_path):
+    train, test = load_rows("data/retool_train.jsonl"), load_rows("data/retool_test.jsonl")
+    assert (len(train), len(test)) == (2000, 200)
+    assert not {r["question"] for r in train} & {r["question"] for r in test}
+    assert {r["kind"] for r in train} == {"product", "power_mod", "range_sum"}
+    for r in train[:50]:
+        if r["kind"] == "product":
+            a, b = r["question"].removeprefix("What is ").removesuffix("?").split(" * ")
+            assert int(r["answer"]) == int(a) * int(b)
+    # Deterministic: regenerating gives the shipped files byte for byte.
+    subprocess.run([sys.executable, "scripts/make_retool_data.py", "--out-dir", str(tmp_path)], check=True)
+    for name in ["retool_train.jsonl", "retool_test.jsonl"]:
+        assert (tmp_path / name).read_bytes() == open(f"data/{name}", "rb").read()
