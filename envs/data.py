@@ -17,11 +17,7 @@ def _question(row: dict) -> str | None:
     for key in ("question", "problem", "prompt"):
         q = row.get(key)
         if isinstance(q, list):  # chat messages
-            users = [
-                m.get("content")
-                for m in q
-                if isinstance(m, dict) and m.get("role") == "user"
-            ]
+            users = [m.get("content") for m in q if isinstance(m, dict) and m.get("role") == "user"]
             q = users[-1] if users else None
         if isinstance(q, str) and q.strip():
             return q
@@ -45,9 +41,7 @@ def normalize_rows(raw: list[dict]) -> list[dict]:
     for i, r in enumerate(raw):
         q, a = _question(r), _answer(r)
         if q is None:
-            raise ValueError(
-                f"row {i}: no question (looked for 'question', 'problem', 'prompt')"
-            )
+            raise ValueError(f"row {i}: no question (looked for 'question', 'problem', 'prompt')")
         if a is None:
             raise ValueError(
                 f"row {i}: no answer (looked for 'answer', 'solution', 'reward_model.ground_truth')"

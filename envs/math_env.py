@@ -10,9 +10,7 @@ from typing import Any
 from math_verify import parse, verify
 
 SYSTEM_PROMPT = "Solve the problem. Put the final answer in \\boxed{}."
-WRONG_REWARD = (
-    0.0  # reward for a wrong or missing answer; -1.0 is the DAPO/verl/slime convention
-)
+WRONG_REWARD = 0.0  # reward for a wrong or missing answer; -1.0 is the DAPO/verl/slime convention
 MAX_ANSWER_CHARS = 1000  # math-verify parses with sympy, which can hang on huge inputs; longer is wrong
 
 
@@ -71,11 +69,7 @@ class Episode:
 
     def reward(self, messages: list[dict], tool_calls: list) -> float:
         """1.0 when the final \\boxed{} answer matches, else `wrong_reward`; never raises."""
-        return (
-            1.0
-            if answers_match(final_answer(messages), self.answer)
-            else self.wrong_reward
-        )
+        return 1.0 if answers_match(final_answer(messages), self.answer) else self.wrong_reward
 
 
 def make_episode(row: dict, wrong_reward: float = WRONG_REWARD) -> Episode:
@@ -84,6 +78,4 @@ def make_episode(row: dict, wrong_reward: float = WRONG_REWARD) -> Episode:
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": row["question"]},
     ]
-    return Episode(
-        messages=messages, answer=str(row["answer"]), wrong_reward=wrong_reward
-    )
+    return Episode(messages=messages, answer=str(row["answer"]), wrong_reward=wrong_reward)

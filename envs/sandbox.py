@@ -47,9 +47,7 @@ import time
 from dataclasses import dataclass
 
 MAX_OUTPUT_BYTES = 16 * 1024  # what the model sees; a tool message should stay small
-MEMORY_LIMIT_BYTES = (
-    2 * 1024**3
-)  # RLIMIT_AS: address space, generous for numpy/sympy imports
+MEMORY_LIMIT_BYTES = 2 * 1024**3  # RLIMIT_AS: address space, generous for numpy/sympy imports
 MAX_PROCESSES = 32  # RLIMIT_NPROC for the sandbox uid (threads count too)
 MAX_FILE_BYTES = 16 * 1024**2  # RLIMIT_FSIZE: largest file the code may write
 MAX_OPEN_FILES = 128  # RLIMIT_NOFILE
@@ -64,9 +62,7 @@ _MARKER = "\n\n... [{n} bytes of output omitted] ...\n\n"
 @dataclass
 class SandboxResult:
     output: str  # stdout and stderr interleaved, decoded with errors="replace", middle cut past the cap
-    exit_code: (
-        int | None
-    )  # the code's exit status; 128+N if killed by signal N; None if it never ran
+    exit_code: int | None  # the code's exit status; 128+N if killed by signal N; None if it never ran
     timed_out: bool  # killed by the wall-clock timeout
     truncated: bool  # output was longer than max_output_bytes
     duration_s: float  # wall-clock time of the whole call, setup and cleanup included
@@ -103,14 +99,10 @@ def _prologue(python_paths: list[str]) -> str:
         # Stash each needed child under the run dir, cover the parent with an empty tmpfs, move it back.
         children = sorted(children)
         for j, child in enumerate(children):
-            lines.append(
-                f'mkdir "$1/.stash{j}"; mount --bind "{parent}/{child}" "$1/.stash{j}"'
-            )
+            lines.append(f'mkdir "$1/.stash{j}"; mount --bind "{parent}/{child}" "$1/.stash{j}"')
         lines.append(f'mount -t tmpfs -o size=64k,mode=755 tmpfs "{parent}"')
         for j, child in enumerate(children):
-            lines.append(
-                f'mkdir "{parent}/{child}"; mount --move "$1/.stash{j}" "{parent}/{child}"'
-            )
+            lines.append(f'mkdir "{parent}/{child}"; mount --move "$1/.stash{j}" "{parent}/{child}"')
             lines.append(f'rmdir "$1/.stash{j}"')
     # The shell stays as pid 1 (root, unkillable by the code) and waits; when it exits the namespace dies.
     lines.append(
@@ -149,9 +141,7 @@ def isolation_mode() -> str:
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
     if os.geteuid() != 0 and shutil.which("unshare"):
-        probe = subprocess.run(
-            ["unshare", "-rn", "true"], capture_output=True, check=False
-        )
+        probe = subprocess.run(["unshare", "-rn", "true"], capture_output=True, check=False)
         if probe.returncode == 0:
             return "user-ns"
     return "none"
@@ -235,17 +225,13 @@ async def _drain(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, bytes, 
 
 def _write_code(workdir: str, code: str) -> None:
     # A few KB written synchronously: cheaper than a thread hop.
-    with open(
-        os.path.join(workdir, "main.py"), "w", encoding="utf-8", errors="replace"
-    ) as f:
+    with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8", errors="replace") as f:
         f.write(code)
 
 
 def _signal_kill(proc: asyncio.subprocess.Process) -> None:
     try:
-        os.killpg(
-            proc.pid, signal.SIGKILL
-        )  # start_new_session: the group id is the pid
+        os.killpg(proc.pid, signal.SIGKILL)  # start_new_session: the group id is the pid
     except (ProcessLookupError, PermissionError):
         pass
 
@@ -261,9 +247,7 @@ async def run_python(
     a failure to start is reported in `error`.
     """
     mode = isolation_mode()
-    uid = random.SystemRandom().randint(
-        *UID_RANGE
-    )  # OS entropy: immune to random.seed()
+    uid = random.SystemRandom().randint(*UID_RANGE)  # OS entropy: immune to random.seed()
     start = time.monotonic()
     workdir = tempfile.mkdtemp(prefix="sandbox-")
     env = {
@@ -285,11 +269,7 @@ async def run_python(
         nproc = _user_process_count() + MAX_PROCESSES
         argv = ["unshare", "-rn", "--", sys.executable, "-I", "main.py"]
     else:
-        nproc = (
-            _user_process_count() + MAX_PROCESSES
-            if os.geteuid() != 0
-            else MAX_PROCESSES
-        )
+        nproc = _user_process_count() + MAX_PROCESSES if os.geteuid() != 0 else MAX_PROCESSES
         argv = [sys.executable, "-I", "main.py"]
     timed_out, error = False, ""
     head, tail, total = b"", b"", 0

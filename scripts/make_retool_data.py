@@ -62,9 +62,7 @@ def write_jsonl(path: str, rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--out-dir", default="data", help="where the two .jsonl files go"
-    )
+    parser.add_argument("--out-dir", default="data", help="where the two .jsonl files go")
     parser.add_argument("--n-train", type=int, default=2000, help="training problems")
     parser.add_argument("--n-test", type=int, default=200, help="held-out problems")
     parser.add_argument("--seed", type=int, default=0, help="same seed, same files")
