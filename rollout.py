@@ -1,0 +1,610 @@
+"""The rollout worker: multi-turn tool-use rollouts, token-in/token-out, in a background asyncio thread.
+
+One sample's path: env.make_episode(row) gives messages and tools → the chat template renders the prompt
+ids once → POST /v1/completions with the ids (return_token_ids, logprobs=0) → the ids and behaviour
+logprobs vLLM returns are recorded as they are → tool calls are parsed from the decoded text (decoding
+is for reading only; the model's ids are never re-encoded) → the tools run (sandbox subprocesses,
+awaited, so the loop never blocks) → the ids of the tool turn are the chat template's rendering of just
+that suffix → next prompt = previous prompt + generated ids + tool-response ids → … → the env scores
+the group, advantages are computed, and the scored `RolloutGroup` goes on a bounded `queue.Queue`.
+
+Staleness (PipelineRL/AReaL-style admission): group k is consumed at trainer version ⌊k / G_v⌋, with
+G_v groups per version; starting it only while k < (version + 1 + max_staleness) · G_v bounds its
+staleness by `max_staleness`. `max_staleness=0` is a synchronous on-policy run from the same code.
+"""
+
+import asyncio
+import inspect
+import json
+import logging
+import queue
+import random
+import re
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+
+import aiohttp
+from transformers.utils import get_json_schema
+
+from loss import group_advantages
+from records import (
+    RolloutCompletion,
+    RolloutGroup,
+    TaggedMessage,
+    ToolCallRecord,
+    TurnRecord,
+    group_metrics,
+)
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------------
+# CHAT TEMPLATE: prompt ids once, tool-response ids as a rendered suffix, tool-call parsing
+# ---------------------------------------------------------------------------------------------------
+class ChatTemplateError(ValueError):
+    pass
+
+
+_PROBE_CALL = {"type": "function", "function": {"name": "probe_tool", "arguments": {"x": "1"}}}
+
+
+class ChatTemplate:
+    """What the rollout loop needs from a tokenizer's chat template, checked once at start-up.
+
+    Two tool-call formats are understood: hermes (Qwen2.5, Qwen3: `<tool_call>{json}</tool_call>`,
+    generation stops at the closing tag) and Llama-3.1 (a bare JSON object ending the turn with
+    `<|eot_id|>`/`<|eom_id|>`, optionally after `<|python_tag|>`).
+    """
+
+    def __init__(self, tokenizer, tools: list[Callable] | None = None):
+        self.tokenizer = tokenizer
+        self.tools = [get_json_schema(t) for t in tools or []] or None
+        template = tokenizer.chat_template or ""
+        self.hermes = "<tool_call>" in template
+        # The id that ends a tool-calling turn: generation stops there and includes it.
+        self.stop_token_ids: list[int] = []
+        if self.hermes:
+            end_id = tokenizer.convert_tokens_to_ids("</tool_call>")
+            if end_id is None or end_id == tokenizer.unk_token_id:
+                raise ChatTemplateError("the template uses <tool_call> but '</tool_call>' is not one token")
+            self.stop_token_ids = [end_id]
+        self._check_prefix_preserving()
+        self._closer = self._turn_closer()
+
+    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=self.tools, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        return self.encode(self.render(messages, add_generation_prompt=True))
+
+    def _probe_conversation(self) -> list[dict]:
+        return [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "", "tool_calls": [_PROBE_CALL]},
+            {"role": "tool", "name": "probe_tool", "content": "r"},
+            {"role": "assistant", "content": "a"},
+            {"role": "user", "content": "u2"},
+            {"role": "assistant", "content": "b"},
+        ]
+
+    def _check_prefix_preserving(self) -> None:
+        """Every rendering must be an exact prefix of the rendering with more turns appended, or the ids
+        we trained on would drift from what the template says the conversation is (Qwen3's template
+        drops earlier turns' reasoning, for one)."""
+        conv = self._probe_conversation()
+        previous = ""
+        for n in range(2, len(conv) + 1):
+            try:
+                text = self.render(conv[:n], add_generation_prompt=False)
+            except Exception as e:  # the template rejected our probe: say so rather than guess
+                raise ChatTemplateError(f"chat template failed on a tool conversation: {e}") from e
+            if not text.startswith(previous):
+                raise ChatTemplateError(
+                    "the chat template is not prefix-preserving: appending a "
+                    f"{conv[n - 1]['role']!r} turn re-renders earlier turns differently, so token-in/"
+                    "token-out rollouts would train on ids that differ from the conversation. "
+                    "Pass --chat-template PATH with a prefix-preserving template (e.g. one that keeps "
+                    "earlier reasoning instead of dropping it)."
+                )
+            previous = text
+
+    def _turn_closer(self) -> str:
+        """Template text after the token that ended a tool-calling turn (hermes: '<|im_end|>\\n' after
+        '</tool_call>'; Llama-3.1: nothing after the generated '<|eot_id|>')."""
+        text = self.render(self._probe_conversation()[:3], add_generation_prompt=False)
+        end = "</tool_call>" if self.hermes else (self.tokenizer.eos_token or "")
+        idx = text.rfind(end)
+        if not end or idx < 0:
+            raise ChatTemplateError(f"cannot find the end of a rendered tool call ({end!r}) in the template")
+        return text[idx + len(end) :]
+
+    def tool_response_ids(self, tool_messages: list[dict]) -> list[int]:
+        """Ids appended after a tool-calling turn: the rest of the assistant turn, the tool messages and
+        the next assistant header — rendered as a suffix and diffed, never re-encoding model output."""
+        base = self._probe_conversation()[:3]
+        before = self.render(base, add_generation_prompt=False)
+        after = self.render(base + tool_messages, add_generation_prompt=True)
+        if not after.startswith(before):
+            raise ChatTemplateError("tool messages re-render the assistant turn before them")
+        return self.encode(self._closer + after[len(before) :])
+
+    def parse_tool_calls(self, text: str) -> list[tuple[str, dict | str, str | None]]:
+        """(name, arguments, error) per call in a turn's text; error is None for a well-formed call."""
+        if self.hermes:
+            bodies = re.findall(r"<tool_call>(.*?)</tool_call>", text, re.DOTALL)
+            if not bodies and "<tool_call>" in text:
+                return [("", text.split("<tool_call>", 1)[1], "unterminated <tool_call>")]
+        else:
+            stripped = text.replace("<|python_tag|>", "").strip()
+            for eos in (self.tokenizer.eos_token, "<|eot_id|>", "<|eom_id|>"):
+                if eos and stripped.endswith(eos):
+                    stripped = stripped[: -len(eos)].strip()
+            bodies = [stripped] if stripped.startswith("{") else []
+        return [_parse_call(b.strip()) for b in bodies]
+
+
+def _parse_call(body: str) -> tuple[str, dict | str, str | None]:
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError as e:
+        return "", body, f"tool call is not valid JSON ({e.msg} at char {e.pos})"
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return "", body, 'tool call must be a JSON object with a string "name"'
+    args = call.get("arguments", call.get("parameters"))
+    if isinstance(args, str):  # some models double-encode the arguments
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            pass
+    if not isinstance(args, dict):
+        return call["name"], body, 'tool call needs an "arguments" JSON object'
+    return call["name"], args, None
+
+
+# ---------------------------------------------------------------------------------------------------
+# VLLM CLIENT: token ids in, token ids + behaviour logprobs out
+# ---------------------------------------------------------------------------------------------------
+class GenerationError(RuntimeError):
+    """A request that cannot give a usable turn (retries exhausted, or tokens without logprobs)."""
+
+
+@dataclass
+class Generation:
+    ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+@dataclass
+class ClientStats:
+    requests: int = 0
+    retries: int = 0
+    missing_logprobs: int = 0
+
+
+class VLLMClient:
+    """aiohttp client over one or more vLLM servers, routing each request to the least-loaded one."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        model: str,
+        max_inflight: int = 64,
+        request_timeout_s: float = 120.0,
+        max_retries: int = 5,
+        backoff_s: float = 0.5,
+    ):
+        if not urls:
+            raise ValueError("VLLMClient needs at least one server URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.model = model
+        self.inflight = dict.fromkeys(self.urls, 0)
+        self.request_timeout_s = request_timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.stats = ClientStats()
+        self._max_inflight = max_inflight
+        self._semaphore: asyncio.Semaphore | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    async def open(self) -> None:
+        # Created inside the loop that uses them.
+        self._semaphore = asyncio.Semaphore(self._max_inflight)
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self._max_inflight))
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def generate(self, prompt_ids: list[int], max_tokens: int, sampling: dict) -> Generation:
+        body = {
+            "model": self.model,
+            "prompt": prompt_ids,
+            "max_tokens": max_tokens,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+            **sampling,
+        }
+        async with self._semaphore:
+            for attempt in range(self.max_retries + 1):
+                url = min(self.urls, key=self.inflight.__getitem__)
+                self.inflight[url] += 1
+                self.stats.requests += 1
+                try:
+                    data = await self._post(url, body)
+                except _Retryable as e:
+                    if attempt == self.max_retries:
+                        raise GenerationError(f"{url}: gave up after {attempt + 1} attempts: {e}") from e
+                    self.stats.retries += 1
+                    # Exponential backoff with jitter, capped so a restarted server is found quickly.
+                    await asyncio.sleep(min(8.0, self.backoff_s * 2**attempt) * (0.5 + random.random()))
+                    continue
+                finally:
+                    self.inflight[url] -= 1
+                return self._to_generation(url, data)
+        raise AssertionError("unreachable")
+
+    async def _post(self, url: str, body: dict) -> dict:
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
+        try:
+            async with self._session.post(f"{url}/v1/completions", json=body, timeout=timeout) as r:
+                if r.status >= 500 or r.status in (408, 429):
+                    raise _Retryable(f"HTTP {r.status}: {(await r.text())[:200]}")
+                if r.status != 200:
+                    raise GenerationError(f"{url}: HTTP {r.status}: {(await r.text())[:500]}")
+                data = await r.json()
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as e:
+            raise _Retryable(f"{type(e).__name__}: {e}") from e
+        choice = data["choices"][0]
+        if choice.get("finish_reason") == "abort":  # the server aborted it (pause in abort mode)
+            raise _Retryable("request aborted by the server")
+        return choice
+
+    def _to_generation(self, url: str, choice: dict) -> Generation:
+        ids = choice.get("token_ids")
+        logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+        if ids is None or logprobs is None or len(logprobs) != len(ids) or any(lp is None for lp in logprobs):
+            # Never re-tokenize text to recover ids: the whole group is aborted and re-queued instead.
+            self.stats.missing_logprobs += 1
+            raise GenerationError(f"{url}: response has token ids but no matching logprobs")
+        return Generation(list(ids), [float(lp) for lp in logprobs], choice.get("finish_reason") or "stop")
+
+
+class _Retryable(Exception):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------------
+# THE MULTI-TURN TOOL LOOP (the default rollout function; an env may bring its own)
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class RolloutContext:
+    """Everything a rollout function needs besides the episode; shared by all rollouts of a worker."""
+
+    client: VLLMClient
+    template: ChatTemplate
+    sampling: dict  # temperature, top_p, ... passed to vLLM as they are
+    max_turns: int
+    max_context: int  # prompt + completion tokens, hard cap
+    version: Callable[[], int]  # the trainer's current model version
+    tool_semaphore: asyncio.Semaphore
+
+
+async def run_tool(
+    tools: dict[str, Callable], name: str, args: dict | str, error: str | None
+) -> ToolCallRecord:
+    """Run one parsed call; every failure becomes a failed record whose result tells the model why."""
+    t0 = time.monotonic()
+    if error is None and name not in tools:
+        error = f"unknown tool {name!r}; available: {', '.join(sorted(tools))}"
+    if error is not None:
+        return ToolCallRecord(name, args, f"Error: {error}", True, time.monotonic() - t0)
+    fn = tools[name]
+    try:
+        inspect.signature(fn).bind(**args)
+    except TypeError as e:
+        return ToolCallRecord(
+            name, args, f"Error: bad arguments for {name}: {e}", True, time.monotonic() - t0
+        )
+    try:
+        result = await fn(**args) if inspect.iscoroutinefunction(fn) else await asyncio.to_thread(fn, **args)
+    except Exception as e:
+        return ToolCallRecord(
+            name, args, f"Error: {name} raised {type(e).__name__}: {e}", True, time.monotonic() - t0
+        )
+    return ToolCallRecord(name, args, str(result), False, time.monotonic() - t0)
+
+
+async def tool_loop_rollout(ctx: RolloutContext, episode, prompt_ids: list[int]) -> RolloutCompletion:
+    """One completion: generate → parse tool calls → run tools → append their rendered ids → repeat."""
+    comp = RolloutCompletion(prompt_len=len(prompt_ids), prompt_messages=list(episode.messages))
+    tools = {t.__name__: t for t in episode.tools}
+    is_done = getattr(episode, "is_done", None)
+    ids = list(prompt_ids)
+    tokenizer = ctx.template.tokenizer
+    for turn_index in range(ctx.max_turns):
+        budget = ctx.max_context - len(ids)
+        if budget <= 0:
+            comp.stop_reason = "context_budget"
+            return comp
+        v_start, t0 = ctx.version(), time.monotonic()
+        sampling = dict(ctx.sampling)
+        if ctx.template.stop_token_ids:
+            sampling["stop_token_ids"] = ctx.template.stop_token_ids + sampling.get("stop_token_ids", [])
+        gen = await ctx.client.generate(ids, budget, sampling)
+        comp.add_turn(
+            TurnRecord(
+                generated_ids=tuple(gen.ids),
+                generated_logprobs=tuple(gen.logprobs),
+                finish_reason=gen.finish_reason,
+                model_versions=(v_start, ctx.version()),
+                generation_s=time.monotonic() - t0,
+            )
+        )
+        ids += gen.ids
+        text = tokenizer.decode(gen.ids, skip_special_tokens=False)
+        calls = ctx.template.parse_tool_calls(text) if gen.finish_reason != "length" else []
+        content = (
+            re.split(r"<tool_call>", text, maxsplit=1)[0] if ctx.template.hermes else ("" if calls else text)
+        )
+        for tok in (tokenizer.eos_token, "<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
+            if tok and content.endswith(tok):
+                content = content[: -len(tok)]
+        message = {"role": "assistant", "content": content.strip() if calls else content}
+        if calls:
+            message["tool_calls"] = [
+                {"type": "function", "function": {"name": n, "arguments": a if isinstance(a, dict) else {}}}
+                for n, a, _ in calls
+            ]
+        comp.trajectory.append(TaggedMessage(message, generated=True))
+        if gen.finish_reason == "length":
+            comp.stop_reason = "context_budget"
+            return comp
+        if not calls:
+            comp.stop_reason = "eos"
+            return comp
+        if turn_index == ctx.max_turns - 1:
+            comp.stop_reason = "max_turns"  # it still asks for a tool: truncated
+            return comp
+        t_tools = time.monotonic()
+        async with ctx.tool_semaphore:
+            records = await asyncio.gather(*(run_tool(tools, n, a, e) for n, a, e in calls))
+        tool_messages = [{"role": "tool", "name": r.name, "content": r.result} for r in records]
+        comp.trajectory.extend(TaggedMessage(m, generated=False) for m in tool_messages)
+        response_ids = ctx.template.tool_response_ids(tool_messages)
+        room = ctx.max_context - len(ids)
+        comp.append_context(response_ids[:room], tuple(records), time.monotonic() - t_tools)
+        ids += response_ids[:room]
+        if len(response_ids) >= room:  # the tool output filled the context: nothing left to generate
+            comp.stop_reason = "context_budget"
+            return comp
+        if is_done is not None and is_done():
+            comp.stop_reason = "env_done"
+            return comp
+    comp.stop_reason = "max_turns"
+    return comp
+
+
+RolloutFn = Callable[[RolloutContext, object, list[int]], Awaitable[RolloutCompletion]]
+
+
+# ---------------------------------------------------------------------------------------------------
+# THE WORKER: groups, admission by staleness, a bounded queue to the trainer
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class WorkerStats:
+    groups_started: int = 0
+    groups_done: int = 0
+    groups_retried: int = 0
+    groups_failed: int = 0
+    groups_discarded: int = 0  # reported back by the trainer (stale or zero-variance)
+    last_error: str = ""
+    errors: list[str] = field(default_factory=list)
+
+
+class AsyncRolloutWorker:
+    """Generates scored `RolloutGroup`s into `self.queue` from a daemon thread running an asyncio loop.
+
+    The trainer calls `set_version(v)` after each weight sync and `discard(n)` for groups it threw away,
+    so that replacements are admitted; `stop()` returns within `timeout_s` whatever the servers do.
+    """
+
+    def __init__(
+        self,
+        client: VLLMClient,
+        template: ChatTemplate,
+        make_episode: Callable[[dict], object],
+        rows: Iterator[dict],
+        *,
+        num_generations: int,
+        groups_per_version: int,
+        max_staleness: int = 1,
+        max_turns: int = 4,
+        max_context: int = 1024,
+        sampling: dict | None = None,
+        max_concurrent_tools: int = 16,
+        group_retries: int = 2,
+        scale_rewards: bool = True,
+        rollout_fn: RolloutFn | None = None,
+        queue_size: int | None = None,
+    ):
+        self.client = client
+        self.template = template
+        self.make_episode = make_episode
+        self.rows = rows
+        self.num_generations = num_generations
+        self.groups_per_version = groups_per_version
+        self.max_staleness = max_staleness
+        self.max_turns = max_turns
+        self.max_context = max_context
+        self.sampling = {"temperature": 1.0, **(sampling or {})}
+        self.max_concurrent_tools = max_concurrent_tools
+        self.group_retries = group_retries
+        self.scale_rewards = scale_rewards
+        self.rollout_fn = rollout_fn or tool_loop_rollout
+        # Admission already bounds what exists; the queue bound makes that a hard memory bound too.
+        self.queue: queue.Queue[RolloutGroup] = queue.Queue(
+            queue_size or groups_per_version * (max_staleness + 1)
+        )
+        self.stats = WorkerStats()
+        self.version = 0
+        self._stopping = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_thread, name="rollout-worker", daemon=True)
+        self._main: asyncio.Task | None = None
+        self._rows_exhausted = False
+
+    # --- called from the trainer thread ---------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def set_version(self, version: int) -> None:
+        self.version = version
+
+    def discard(self, n: int = 1) -> None:
+        self.stats.groups_discarded += n
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def exhausted(self) -> bool:
+        """All rows were used and every group has been delivered or dropped."""
+        return (
+            self._rows_exhausted
+            and self.stats.groups_started == self.stats.groups_done + self.stats.groups_failed
+        )
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop admitting, cancel every in-flight request and tool, close HTTP, join the thread."""
+        self._stopping.set()
+        if self._thread.is_alive() and self._main is not None:
+            self._loop.call_soon_threadsafe(self._main.cancel)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            logger.error(
+                "rollout thread still alive %.1f s after stop(); it is a daemon and dies with us", timeout_s
+            )
+
+    # --- the loop thread --------------------------------------------------------------------------------
+    def _run_thread(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._main = self._loop.create_task(self._main_loop())
+        try:
+            self._loop.run_until_complete(self._main)
+        except asyncio.CancelledError:
+            pass
+        except Exception:
+            logger.exception("rollout worker crashed")
+        finally:
+            self._loop.run_until_complete(self.client.close())
+            self._loop.close()
+
+    def _admissible(self) -> bool:
+        live = self.stats.groups_started - self.stats.groups_failed - self.stats.groups_discarded
+        return live < (self.version + 1 + self.max_staleness) * self.groups_per_version
+
+    async def _main_loop(self) -> None:
+        await self.client.open()
+        self._ctx = RolloutContext(
+            client=self.client,
+            template=self.template,
+            sampling=self.sampling,
+            max_turns=self.max_turns,
+            max_context=self.max_context,
+            version=lambda: self.version,
+            tool_semaphore=asyncio.Semaphore(self.max_concurrent_tools),
+        )
+        tasks: set[asyncio.Task] = set()
+        try:
+            while not self._stopping.is_set():
+                while not self._rows_exhausted and self._admissible():
+                    try:
+                        row = next(self.rows)
+                    except StopIteration:
+                        self._rows_exhausted = True
+                        break
+                    self.stats.groups_started += 1
+                    tasks.add(asyncio.create_task(self._group(row, self.version)))
+                if not tasks:
+                    await asyncio.sleep(0.02)  # waiting for the trainer to advance the version
+                    continue
+                done, tasks = await asyncio.wait(tasks, timeout=0.1, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    group = task.result()
+                    if group is None:
+                        continue
+                    while not self._stopping.is_set():
+                        try:
+                            self.queue.put_nowait(group)  # a thread-safe queue: poll, never block the loop
+                            break
+                        except queue.Full:
+                            await asyncio.sleep(0.02)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _group(self, row: dict, admitted_version: int) -> RolloutGroup | None:
+        """Generate and score one group; a failure retries the whole group from fresh episodes (no state
+        from the failed attempt survives), then drops it with a counted warning — never kills the worker."""
+        for attempt in range(self.group_retries + 1):
+            try:
+                group = await self._attempt_group(row, admitted_version)
+                self.stats.groups_done += 1
+                return group
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                msg = f"{type(e).__name__}: {e}"
+                self.stats.last_error = msg
+                self.stats.errors = (self.stats.errors + [msg])[-20:]
+                if attempt < self.group_retries:
+                    self.stats.groups_retried += 1
+                    logger.warning("group failed (attempt %d), retrying: %s", attempt + 1, msg)
+        self.stats.groups_failed += 1
+        logger.warning("group dropped after %d attempts: %s", self.group_retries + 1, self.stats.last_error)
+        return None
+
+    async def _attempt_group(self, row: dict, admitted_version: int) -> RolloutGroup:
+        episodes = [self.make_episode(row) for _ in range(self.num_generations)]
+        prompt_ids = self.template.prompt_ids(episodes[0].messages)
+        if len(prompt_ids) >= self.max_context:
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens leaves no room in max_context={self.max_context}"
+            )
+        t0 = time.monotonic()
+        rollout = getattr(episodes[0], "rollout", None) or self.rollout_fn
+        async with asyncio.TaskGroup() as tg:  # one failure cancels its siblings
+            tasks = [tg.create_task(rollout(self._ctx, ep, prompt_ids)) for ep in episodes]
+        completions = [t.result() for t in tasks]
+        # Rewards may be slow (math-verify) and must not stall other groups' requests.
+        rewards = await asyncio.to_thread(
+            lambda: [float(ep.reward(c.messages, c.tool_calls)) for ep, c in zip(episodes, completions)]
+        )
+        for c, r in zip(completions, rewards):
+            c.reward = r
+        advantages = group_advantages(rewards, scale_by_std=self.scale_rewards).tolist()
+        metrics = group_metrics(completions)
+        metrics["rollout/group_s"] = time.monotonic() - t0
+        return RolloutGroup(
+            prompt_messages=list(episodes[0].messages),
+            prompt_ids=prompt_ids,
+            row=row,
+            completions=completions,
+            rewards=rewards,
+            advantages=advantages,
+            admitted_version=admitted_version,
+            metrics=metrics,
+        )
