@@ -591,9 +591,12 @@ class AsyncRolloutWorker:
         completions = [t.result() for t in tasks]
         # Rewards may be slow (math-verify) and must not stall other groups' requests.
         rewards = await asyncio.to_thread(
-            lambda: [float(ep.reward(c.messages, c.tool_calls)) for ep, c in zip(episodes, completions)]
+            lambda: [
+                float(ep.reward(c.messages, c.tool_calls))
+                for ep, c in zip(episodes, completions, strict=True)
+            ]
         )
-        for c, r in zip(completions, rewards):
+        for c, r in zip(completions, rewards, strict=True):
             c.reward = r
         advantages = group_advantages(rewards, scale_by_std=self.scale_rewards).tolist()
         metrics = group_metrics(completions)
