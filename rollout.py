@@ -567,6 +567,8 @@ class AsyncRolloutWorker:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
+                while isinstance(e, ExceptionGroup):  # TaskGroup wraps the failing rollout's error
+                    e = e.exceptions[0]
                 msg = f"{type(e).__name__}: {e}"
                 self.stats.last_error = msg
                 self.stats.errors = (self.stats.errors + [msg])[-20:]

@@ -24,14 +24,14 @@ def post(url: str, body: dict, timeout: float = 60) -> dict:
         return json.loads(r.read())
 
 
-def test_token_ids_and_logprobs_match_transformers(vllm_server, tiny_model):
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+def test_token_ids_and_logprobs_match_transformers(vllm_server, served_model):
+    tokenizer = AutoTokenizer.from_pretrained(served_model)
     messages = [{"role": "user", "content": "What is 4821 * 937?"}]
     prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
     out = post(
         f"{vllm_server.url}/v1/completions",
         {
-            "model": str(tiny_model),
+            "model": str(served_model),
             "prompt": prompt_ids,
             "max_tokens": 48,
             "temperature": 1.0,
@@ -47,7 +47,7 @@ def test_token_ids_and_logprobs_match_transformers(vllm_server, tiny_model):
     assert len(completion_ids) == len(behaviour_logprobs) == 48
     assert choice["prompt_token_ids"] == prompt_ids
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(served_model, dtype=torch.float32)
     ids = torch.tensor([prompt_ids + completion_ids])
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt_ids) - 1 : -1]

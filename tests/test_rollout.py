@@ -1,0 +1,526 @@
+"""Rollout worker: chat-template handling, tool-call parsing, the token invariant under random
+turns/budgets/aborts, HTTP fault injection, and the proof against the real vLLM server that nothing the
+model generated was re-tokenized."""
+
+import asyncio
+import functools
+import queue
+import socket
+import threading
+import time
+from pathlib import Path
+
+import aiohttp.web
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import AddedToken
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from envs import load_env
+from envs.data import load_rows
+from envs.sandbox import Sandbox
+from records import STOP_REASONS, RolloutCompletion, TokenAccountingError, TurnRecord
+from rollout import (
+    AsyncRolloutWorker,
+    ChatTemplate,
+    ChatTemplateError,
+    Generation,
+    GenerationError,
+    RolloutContext,
+    VLLMClient,
+    run_tool,
+    tool_loop_rollout,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(REPO / "models" / "tiny")
+
+
+def code_interpreter(code: str) -> str:
+    """Run Python code.
+
+    Args:
+        code: the program
+    """
+    return "ran"
+
+
+# ---------------------------------------------------------------------------------------------------
+# chat templates
+# ---------------------------------------------------------------------------------------------------
+def test_hermes_template_suffix_and_stop(tokenizer):
+    t = ChatTemplate(tokenizer, [code_interpreter])
+    assert t.hermes
+    assert t.stop_token_ids == [tokenizer.convert_tokens_to_ids("</tool_call>")]
+    ids = t.tool_response_ids([{"role": "tool", "name": "code_interpreter", "content": "42"}])
+    assert tokenizer.decode(ids) == (
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_llama31_template(tokenizer):
+    """A Llama-3.1-style template: bare JSON tool calls ending the turn with <|eot_id|>, ipython results."""
+    tok = AutoTokenizer.from_pretrained(REPO / "models" / "tiny")
+    specials = [
+        "<|begin_of_text|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|eot_id|>",
+        "<|python_tag|>",
+    ]
+    tok.add_special_tokens({"additional_special_tokens": [AddedToken(s, special=True) for s in specials]})
+    tok.eos_token = "<|eot_id|>"
+    tok.chat_template = (TEMPLATES / "llama31.jinja").read_text()
+    t = ChatTemplate(tok, [code_interpreter])
+    assert not t.hermes and t.stop_token_ids == []
+    assert t._closer == ""  # the generated <|eot_id|> closes the turn; nothing to append before the tool
+    ids = t.tool_response_ids([{"role": "tool", "name": "code_interpreter", "content": "42"}])
+    assert tok.decode(ids) == (
+        "<|start_header_id|>ipython<|end_header_id|>\n\n42<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    calls = t.parse_tool_calls(
+        '<|python_tag|>{"name": "code_interpreter", "parameters": {"code": "1"}}<|eot_id|>'
+    )
+    assert calls == [("code_interpreter", {"code": "1"}, None)]
+    assert t.parse_tool_calls("The answer is 4.<|eot_id|>") == []
+
+
+def test_template_that_drops_earlier_reasoning_is_refused(tokenizer):
+    tok = AutoTokenizer.from_pretrained(REPO / "models" / "tiny")
+    tok.chat_template = (TEMPLATES / "qwen3_like.jinja").read_text()
+    with pytest.raises(ChatTemplateError, match="not prefix-preserving.*--chat-template"):
+        ChatTemplate(tok, [code_interpreter])
+
+
+def test_parse_tool_calls(tokenizer):
+    t = ChatTemplate(tokenizer, [code_interpreter])
+    ok = t.parse_tool_calls('<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>')
+    assert ok == [("f", {"x": 1}, None)]
+    double = t.parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')
+    assert double == [("f", {"x": 1}, None)]
+    (bad,) = t.parse_tool_calls('<tool_call>{"name": "f", "arguments": {"x": </tool_call>')
+    assert bad[2].startswith("tool call is not valid JSON")
+    (noname,) = t.parse_tool_calls('<tool_call>{"arguments": {}}</tool_call>')
+    assert 'string "name"' in noname[2]
+    (noargs,) = t.parse_tool_calls('<tool_call>{"name": "f"}</tool_call>')
+    assert noargs[0] == "f" and "arguments" in noargs[2]
+    (open_,) = t.parse_tool_calls('text <tool_call>{"name": "f", "argu')
+    assert open_[2] == "unterminated <tool_call>"
+    assert t.parse_tool_calls("just an answer \\boxed{3}<|im_end|>") == []
+
+
+def test_run_tool_failures_become_records():
+    async def boom(x: int) -> str:
+        """Raise.
+
+        Args:
+            x: anything
+        """
+        raise RuntimeError("kaput")
+
+    tools = {"boom": boom, "code_interpreter": code_interpreter}
+
+    async def go():
+        unknown = await run_tool(tools, "nope", {}, None)
+        bad_args = await run_tool(tools, "boom", {"y": 1}, None)
+        raised = await run_tool(tools, "boom", {"x": 1}, None)
+        parse_err = await run_tool(tools, "", "{oops", "tool call is not valid JSON")
+        sync_ok = await run_tool(tools, "code_interpreter", {"code": "1"}, None)
+        return unknown, bad_args, raised, parse_err, sync_ok
+
+    unknown, bad_args, raised, parse_err, sync_ok = asyncio.run(go())
+    assert unknown.failed and "unknown tool 'nope'" in unknown.result and "boom" in unknown.result
+    assert bad_args.failed and "bad arguments for boom" in bad_args.result
+    assert raised.failed and "RuntimeError: kaput" in raised.result
+    assert parse_err.failed and "not valid JSON" in parse_err.result
+    assert not sync_ok.failed and sync_ok.result == "ran"
+
+
+# ---------------------------------------------------------------------------------------------------
+# the invariant, by construction
+# ---------------------------------------------------------------------------------------------------
+def test_records_refuse_misaligned_tokens():
+    with pytest.raises(TokenAccountingError):
+        TurnRecord((1, 2), (-0.1,), "stop", (0, 0))
+    with pytest.raises(TokenAccountingError):
+        TurnRecord((1,), (float("nan"),), "stop", (0, 0))
+    with pytest.raises(TokenAccountingError):
+        TurnRecord((1,), (None,), "stop", (0, 0))
+    c = RolloutCompletion(prompt_len=3, prompt_messages=[])
+    with pytest.raises(TokenAccountingError):
+        c.append_context([5])  # context before any generated turn belongs in the prompt
+    c.add_turn(TurnRecord((1, 2), (-0.1, -0.2), "stop", (0, 0)))
+    c.append_context([7, 8, 9])
+    assert c.completion_ids == [1, 2, 7, 8, 9]
+    assert c.behaviour_logprobs == [-0.1, -0.2, 0.0, 0.0, 0.0]
+    assert c.loss_mask == [1, 1, 0, 0, 0]
+    assert c.trim_to(3) == 2 and c.completion_ids == [1, 2, 7] and c.loss_mask == [1, 1, 0]
+    assert c.trim_to(1) == 2 and c.completion_ids == [1] and c.behaviour_logprobs == [-0.1]
+
+
+@pytest.mark.parametrize(
+    "reason,truncated",
+    [("eos", False), ("env_done", False), ("max_turns", True), ("context_budget", True), ("aborted", True)],
+)
+def test_truncated_follows_stop_reason(reason, truncated):
+    c = RolloutCompletion(prompt_len=1, prompt_messages=[], stop_reason=reason)
+    assert c.truncated is truncated
+
+
+class ScriptedClient:
+    """Stands in for vLLM only to script turn shapes the tiny model cannot produce on demand: each
+    call pops the next (text, logprob) script, cut to max_tokens like vLLM's `length` finish."""
+
+    def __init__(self, tokenizer, script):
+        self.tokenizer, self.script, self.calls = tokenizer, list(script), []
+
+    async def generate(self, prompt_ids, max_tokens, sampling):
+        text = self.script.pop(0) if self.script else "done<|im_end|>"
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        finish = "stop"
+        if len(ids) > max_tokens:
+            ids, finish = ids[:max_tokens], "length"
+        self.calls.append((list(prompt_ids), max_tokens))
+        return Generation(ids, [-0.5] * len(ids), finish)
+
+
+class FakeEpisode:
+    def __init__(self, output_len: int, done_after: int | None):
+        self.messages = [{"role": "user", "content": "q"}]
+        self.tools = [self.code_interpreter]
+        self.output_len, self.done_after, self.calls = output_len, done_after, 0
+
+    async def code_interpreter(self, code: str) -> str:
+        """Echo.
+
+        Args:
+            code: the program
+        """
+        self.calls += 1
+        return "7" * self.output_len
+
+    def is_done(self) -> bool:
+        return self.done_after is not None and self.calls >= self.done_after
+
+
+TOOL_TURN = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(1)"}}\n</tool_call>'
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    turns=st.lists(
+        st.sampled_from(["tool", "answer", "garbage", "bad_json", "long"]), min_size=1, max_size=6
+    ),
+    output_len=st.integers(0, 400),
+    max_turns=st.integers(1, 5),
+    max_context=st.integers(20, 400),
+    done_after=st.one_of(st.none(), st.integers(1, 3)),
+)
+def test_tool_loop_keeps_arrays_aligned_and_in_budget(
+    tokenizer, turns, output_len, max_turns, max_context, done_after
+):
+    texts = {
+        "tool": TOOL_TURN,
+        "answer": "The answer is \\boxed{12}.<|im_end|>",
+        "garbage": "zz\x00 {[<tool_response>",
+        "bad_json": '<tool_call>{"name": code_interpreter}</tool_call>',
+        "long": "9" * 300,
+    }
+    template = ChatTemplate(tokenizer, [code_interpreter])
+    client = ScriptedClient(tokenizer, [texts[t] for t in turns])
+    prompt_ids = list(range(10))
+    ctx = RolloutContext(client, template, {}, max_turns, max_context, lambda: 0, asyncio.Semaphore(2))
+    episode = FakeEpisode(output_len, done_after)
+    c = asyncio.run(tool_loop_rollout(ctx, episode, prompt_ids))
+
+    assert len(c.completion_ids) == len(c.behaviour_logprobs) == len(c.loss_mask) == len(c)
+    assert c.prompt_len + len(c) <= max_context
+    assert c.stop_reason in STOP_REASONS
+    for turn in c.turns:  # mask 1 exactly on generated ids, with their logprobs
+        assert all(lp == -0.5 for lp in turn.generated_logprobs)
+    assert sum(c.loss_mask) == sum(len(t.generated_ids) for t in c.turns)
+    assert all(lp == 0.0 for lp, m in zip(c.behaviour_logprobs, c.loss_mask) if m == 0)
+    assert len(c.turns) <= max_turns
+    # every request's prompt is the prompt plus everything recorded before it: nothing re-encoded
+    for (sent, max_tokens), k in zip(client.calls, range(len(c.turns))):
+        before = [i for t in c.turns[:k] for i in (*t.generated_ids, *t.appended_ids)]
+        assert sent == prompt_ids + before
+        assert len(sent) + max_tokens <= max_context
+    if c.stop_reason == "max_turns":
+        assert c.turns[-1].tool_calls == () and len(c.turns) == max_turns
+
+
+# ---------------------------------------------------------------------------------------------------
+# fault injection: a local HTTP server of the test's own stands in for vLLM here only
+# ---------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FakeVLLM:
+    """Answers /v1/completions according to `behaviour` (a list consumed per request, last one repeats)."""
+
+    def __init__(self, behaviour: list[str], port: int | None = None):
+        self.behaviour, self.port, self.requests = list(behaviour), port or free_port(), 0
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    async def handle(self, request):
+        self.requests += 1
+        body = await request.json()
+        what = self.behaviour.pop(0) if len(self.behaviour) > 1 else self.behaviour[0]
+        if what == "503":
+            return aiohttp.web.Response(status=503, text="paused")
+        if what == "hang":
+            await asyncio.sleep(3600)
+        n = min(3, body["max_tokens"])
+        choice = {"token_ids": [5] * n, "finish_reason": "length" if n == body["max_tokens"] else "stop"}
+        choice["token_ids"][-1] = 2  # <|im_end|>: the turn ends without a tool call
+        choice["logprobs"] = None if what == "nologprobs" else {"token_logprobs": [-1.0] * n}
+        return aiohttp.web.json_response({"choices": [choice]})
+
+    async def start(self):
+        app = aiohttp.web.Application()
+        app.router.add_post("/v1/completions", self.handle)
+        self.runner = aiohttp.web.AppRunner(app, shutdown_timeout=0.1)
+        await self.runner.setup()
+        await aiohttp.web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    async def stop(self):
+        await self.runner.cleanup()
+
+
+async def generate_once(client: VLLMClient) -> Generation:
+    await client.open()
+    try:
+        return await client.generate([1, 2, 3], 8, {})
+    finally:
+        await client.close()
+
+
+def test_503_then_success():
+    async def go():
+        fake = FakeVLLM(["503", "503", "ok"])
+        await fake.start()
+        client = VLLMClient([fake.url], "m", backoff_s=0.01)
+        gen = await generate_once(client)
+        await fake.stop()
+        return fake, client, gen
+
+    fake, client, gen = asyncio.run(go())
+    assert len(gen.ids) == len(gen.logprobs) == 3 and fake.requests == 3 and client.stats.retries == 2
+
+
+def test_connection_refused_then_success():
+    async def go():
+        fake = FakeVLLM(["ok"])
+        client = VLLMClient([fake.url], "m", backoff_s=0.2)
+
+        async def start_late():
+            await asyncio.sleep(0.5)
+            await fake.start()
+
+        starter = asyncio.create_task(start_late())
+        gen = await generate_once(client)
+        await starter
+        await fake.stop()
+        return client, gen
+
+    client, gen = asyncio.run(go())
+    assert client.stats.retries >= 1 and len(gen.ids) == 3
+
+
+def test_hanging_server_times_out_with_a_clear_error():
+    async def go():
+        fake = FakeVLLM(["hang"])
+        await fake.start()
+        client = VLLMClient([fake.url], "m", request_timeout_s=0.3, max_retries=1, backoff_s=0.01)
+        try:
+            with pytest.raises(GenerationError, match="gave up after 2 attempts"):
+                await generate_once(client)
+        finally:
+            await fake.stop()
+
+    t0 = time.monotonic()
+    asyncio.run(go())
+    assert time.monotonic() - t0 < 5
+
+
+def test_least_inflight_routing():
+    async def go():
+        a, b = FakeVLLM(["hang"]), FakeVLLM(["ok"])
+        await a.start()
+        await b.start()
+        client = VLLMClient([a.url, b.url], "m", request_timeout_s=2, max_retries=0)
+        await client.open()
+        stuck = asyncio.create_task(client.generate([1], 4, {}))
+        await asyncio.sleep(0.2)  # the first request now occupies server a
+        gens = [await client.generate([1], 4, {}) for _ in range(3)]
+        stuck.cancel()
+        await client.close()
+        await a.stop()
+        await b.stop()
+        return a, b, gens
+
+    a, b, gens = asyncio.run(go())
+    assert a.requests == 1 and b.requests == 3
+
+
+def start_worker_on(fake: FakeVLLM, tokenizer, **kw) -> tuple[AsyncRolloutWorker, asyncio.AbstractEventLoop]:
+    """Run the fake server in a thread of its own, and a worker against it."""
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    asyncio.run_coroutine_threadsafe(fake.start(), loop).result(5)
+    env = load_env("math")
+    rows = iter([{"question": "1+1?", "answer": "2"}] * 100)
+    worker = AsyncRolloutWorker(
+        VLLMClient([fake.url], "m", backoff_s=0.01, request_timeout_s=kw.pop("request_timeout_s", 5)),
+        ChatTemplate(tokenizer),
+        env.make_episode,
+        rows,
+        num_generations=2,
+        groups_per_version=2,
+        max_staleness=0,
+        max_context=1000,
+        **kw,
+    )
+    worker.start()
+    return worker, loop
+
+
+def test_missing_logprobs_requeues_the_whole_group(tokenizer):
+    fake = FakeVLLM(["nologprobs", "ok"])
+    worker, loop = start_worker_on(fake, tokenizer)
+    try:
+        group = worker.queue.get(timeout=20)
+    finally:
+        worker.stop()
+        asyncio.run_coroutine_threadsafe(fake.stop(), loop).result(5)
+    assert worker.client.stats.missing_logprobs == 1
+    assert worker.stats.groups_retried >= 1
+    for c in group.completions:  # the delivered group comes from a clean retry
+        assert len(c.completion_ids) == len(c.behaviour_logprobs) == len(c.loss_mask) == 3
+
+
+def test_stop_returns_fast_when_servers_are_gone_for_good(tokenizer):
+    fake = FakeVLLM(["hang"])
+    worker, loop = start_worker_on(fake, tokenizer, request_timeout_s=60)
+    time.sleep(1.0)  # requests are now in flight against a server that never answers
+    asyncio.run_coroutine_threadsafe(fake.stop(), loop).result(5)
+    t0 = time.monotonic()
+    worker.stop(timeout_s=5)
+    assert time.monotonic() - t0 < 5 and not worker.alive
+    with pytest.raises(queue.Empty):
+        worker.queue.get_nowait()
+
+
+def test_failing_group_is_dropped_not_fatal(tokenizer):
+    fake = FakeVLLM(["nologprobs"])  # never any logprobs: every attempt fails
+    worker, loop = start_worker_on(fake, tokenizer, group_retries=1)
+    try:
+        deadline = time.monotonic() + 20
+        while worker.stats.groups_failed < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        worker.stop()
+        asyncio.run_coroutine_threadsafe(fake.stop(), loop).result(5)
+    assert worker.stats.groups_failed >= 2 and "no matching logprobs" in worker.stats.last_error
+    assert not worker.alive  # stopped by us, not crashed: stop() joined it
+
+
+# ---------------------------------------------------------------------------------------------------
+# the real engine: nothing the model generated was re-tokenized
+# ---------------------------------------------------------------------------------------------------
+class SpyClient(VLLMClient):
+    """The real client, remembering exactly what vLLM returned for each request."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.returned: list[list[int]] = []
+
+    async def generate(self, prompt_ids, max_tokens, sampling):
+        gen = await super().generate(prompt_ids, max_tokens, sampling)
+        self.returned.append(list(gen.ids))
+        return gen
+
+
+@pytest.mark.timeout(600)
+def test_real_multi_turn_rollouts_rescore_exactly(vllm_server, served_model):
+    tokenizer = AutoTokenizer.from_pretrained(served_model)
+    env = load_env("retool")
+    make_episode = functools.partial(env.make_episode, sandbox=Sandbox(4))
+    rows = load_rows(str(REPO / "data" / "retool_test.jsonl"))[:8]
+    template = ChatTemplate(tokenizer, make_episode(rows[0]).tools)
+    client = SpyClient([vllm_server.url], str(served_model))
+    worker = AsyncRolloutWorker(
+        client, template, make_episode, iter(rows), num_generations=4, groups_per_version=8,
+        max_staleness=0, max_turns=3, max_context=768, sampling={"temperature": 1.0},
+    )  # fmt: skip
+    worker.start()
+    try:
+        groups = [worker.queue.get(timeout=300) for _ in range(8)]
+    finally:
+        worker.stop()
+    completions = [c for g in groups for c in g.completions]
+    multi_turn = [c for c in completions if len(c.turns) > 1]
+    assert len(multi_turn) >= len(completions) // 2, "the warm model should call the tool in most rollouts"
+
+    model = AutoModelForCausalLM.from_pretrained(served_model, dtype=torch.float32)
+    returned = {tuple(ids) for ids in client.returned}
+    worst = 0.0
+    for g in groups:
+        for c in g.completions:
+            # 1. every turn's generated ids are exactly what vLLM returned for one request
+            for t in c.turns:
+                assert tuple(t.generated_ids) in returned
+            # 2. every non-generated segment is the template's rendering of the tool turn it stands for
+            tool_msgs = [m.message for m in c.trajectory if not m.generated]
+            k = 0
+            for t in c.turns:
+                if t.appended_ids:
+                    n = len(t.tool_calls)
+                    expected = template.tool_response_ids(tool_msgs[k : k + n])
+                    assert list(t.appended_ids) == expected[: len(t.appended_ids)]
+                    k += n
+            # 3. re-scoring prompt + completion reproduces the behaviour logprobs on generated tokens
+            ids = torch.tensor([g.prompt_ids + c.completion_ids])
+            with torch.no_grad():
+                logits = model(ids).logits[0, len(g.prompt_ids) - 1 : -1]
+            logprobs = torch.log_softmax(logits, -1).gather(-1, ids[0, len(g.prompt_ids) :, None])[:, 0]
+            mask = torch.tensor(c.loss_mask, dtype=torch.bool)
+            diff = (logprobs[mask] - torch.tensor(c.behaviour_logprobs)[mask]).abs().max().item()
+            worst = max(worst, diff)
+    assert worst < 1e-3, f"behaviour logprobs differ from a transformers re-score by {worst}"
+    tool_calls = [tc for c in completions for tc in c.tool_calls]
+    assert tool_calls and sum(not tc.failed for tc in tool_calls) >= len(tool_calls) // 2
+
+
+@pytest.mark.timeout(300)
+def test_max_staleness_zero_is_synchronous(vllm_server, served_model):
+    tokenizer = AutoTokenizer.from_pretrained(served_model)
+    env = load_env("math")
+    rows = iter(load_rows(str(REPO / "data" / "retool_test.jsonl")))
+    worker = AsyncRolloutWorker(
+        VLLMClient([vllm_server.url], str(served_model)), ChatTemplate(tokenizer), env.make_episode, rows,
+        num_generations=2, groups_per_version=3, max_staleness=0, max_context=512,
+    )  # fmt: skip
+    worker.start()
+    try:
+        first = [worker.queue.get(timeout=120) for _ in range(3)]
+        with pytest.raises(queue.Empty):  # version 0's quota is used up: nothing more is admitted
+            worker.queue.get(timeout=3)
+        assert worker.stats.groups_started == 3
+        worker.set_version(1)
+        second = worker.queue.get(timeout=120)
+    finally:
+        worker.stop()
+    assert [g.admitted_version for g in first] == [0, 0, 0] and second.admitted_version == 1
+    assert set(first[0].metrics) == set(second.metrics)  # the same keys from every group
