@@ -1,0 +1,595 @@
+"""Push the trainer's weights into running vLLM servers, over NCCL on GPU and gloo on CPU.
+
+    syncer = WeightSyncer([s.url for s in servers], backend="gloo")   # "nccl" on GPU
+    syncer.init()                                   # once: every server worker joins one group
+    metrics = syncer.sync(model.named_parameters(), version=step)
+    syncer.close()
+
+One protocol for both transports: vLLM's own weight-transfer HTTP routes (`VLLM_SERVER_DEV_MODE=1`).
+`/init_weight_transfer_engine` once, then per sync
+
+    /pause?mode=keep -> /start_weight_update -> /update_weights (while the trainer broadcasts)
+    -> /finish_weight_update -> /update_weight_version -> /resume
+
+`/update_weights` blocks inside the server until its workers have received every tensor, so it runs
+on a thread while the trainer broadcasts. The trainer is rank 0 of one group holding every worker of
+every server (server i's workers at ranks 1 + the worker counts of servers 0..i-1), so one broadcast
+feeds all servers.
+
+GPU: the workers run vLLM's `nccl` engine and the trainer uses vLLM's own NCCL helpers (rendezvous
+and packed producer), so both sides are vLLM's code. CPU: vLLM ships no CPU engine, so this module
+registers a `gloo` one at import. vLLM creates the engine in each worker at model load, after it has
+imported the class named by `--worker-extension-cls`; `vllm_server.py` names `GlooWorkerExtension`
+below, which is how this module gets imported inside the workers. The gloo engine mirrors the NCCL
+one: the same update payload (names, dtypes, shapes), the same layerwise reload; tensors travel in
+buckets of up to `bucket_bytes`, cut identically on both sides from that payload.
+
+Never hang: every HTTP call and every collective has a timeout. A failed sync names the server and
+the phase, tears the group down (which frees the surviving workers blocked in a receive), resumes the
+surviving servers so queued requests finish, and raises `WeightSyncError`; the group is unusable after
+that, so the run must stop (or build a new `WeightSyncer`).
+
+Departures from vLLM's own trainer engine (`NCCLTrainerWeightTransferEngine`): several independent
+servers in one group, pause/resume and the version bump done here, timeouts on everything, and on
+CPU the tied lm_head re-packed after each sync (see `_repack_cpu_embedding_gemms`).
+"""
+
+import datetime
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024  # gloo sends one buffer per bucket; bigger = fewer round trips
+
+
+class WeightSyncError(RuntimeError):
+    """A sync (or the group set-up) failed; the message names the server(s) and the phase."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# TRANSPORT HELPERS (shared by the trainer and the gloo worker engine)
+# ---------------------------------------------------------------------------------------------------
+
+
+def gloo_group(
+    host: str, port: int, rank: int, world_size: int, timeout_s: float
+) -> tuple[dist.TCPStore, dist.ProcessGroupGloo]:
+    """Join a gloo group through a TCPStore that rank 0 hosts. Blocks until all ranks have joined.
+
+    No global `init_process_group`: the trainer may have its own default group (FSDP) and the vLLM
+    worker has its own, so this group stands alone. The store must outlive the group: keep both.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(
+        host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
+    )
+    return store, dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+
+def plan_buckets(shapes: list[list[int]], dtypes: list[torch.dtype], bucket_bytes: int) -> list[list[int]]:
+    """Cut the parameter list into consecutive buckets of at most `bucket_bytes` (a larger tensor goes
+    alone). Sender and receivers run this on the same metadata, so they cut identically."""
+    buckets: list[list[int]] = []
+    size = 0
+    for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
+        nbytes = _numel(shape) * dtype.itemsize
+        if not buckets or size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += nbytes
+    return buckets
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _to_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(-1).view(torch.uint8)
+
+
+# ---------------------------------------------------------------------------------------------------
+# WORKER SIDE: the gloo engine, registered at import, and the extension class that gets us imported
+# ---------------------------------------------------------------------------------------------------
+
+try:
+    from vllm.distributed.weight_transfer.base import (
+        WeightTransferEngine,
+        WeightTransferInitInfo,
+        WeightTransferUpdateInfo,
+    )
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    HAVE_VLLM = True
+except ImportError:  # a trainer-only environment can still import the client below
+    HAVE_VLLM = False
+
+if HAVE_VLLM:
+
+    @dataclass
+    class GlooInitInfo(WeightTransferInitInfo):
+        master_address: str
+        master_port: int
+        rank_offset: int  # rank of this server's first worker (the trainer is rank 0)
+        world_size: int  # trainer + every worker of every server
+        timeout_s: float = 300.0
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+    @dataclass
+    class GlooUpdateInfo(WeightTransferUpdateInfo):
+        # Same payload as vLLM's NCCL engine, so the trainer builds one dict for both backends.
+        names: list[str] = field(default_factory=list)
+        dtype_names: list[str] = field(default_factory=list)
+        shapes: list[list[int]] = field(default_factory=list)
+
+    class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
+        """Receives broadcast buckets from the trainer (rank 0) and loads them with `load_weights`,
+        inside vLLM's layerwise reload, exactly as the NCCL engine does."""
+
+        init_info_cls = GlooInitInfo
+        update_info_cls = GlooUpdateInfo
+
+        def __init__(self, config, vllm_config, device, model) -> None:
+            super().__init__(config, vllm_config, device, model)
+            self.store = None
+            self.group = None
+            self.bucket_bytes = DEFAULT_BUCKET_BYTES
+
+        def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+            pc = self.parallel_config
+            # The same rank arithmetic as vLLM's NCCL engine (worker_init_process_group).
+            rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
+            self.bucket_bytes = init_info.bucket_bytes
+            self.store, self.group = gloo_group(
+                init_info.master_address,
+                init_info.master_port,
+                rank,
+                init_info.world_size,
+                init_info.timeout_s,
+            )
+
+        def start_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model)
+
+        def finish_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)
+            _repack_cpu_embedding_gemms(self.model)
+
+        def update_weights(self, update_info: dict) -> None:
+            # The base class ends with torch.accelerator.synchronize(); nothing is asynchronous here.
+            self.receive_weights(self.parse_update_info(update_info))
+
+        def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+            if self.group is None:
+                raise RuntimeError("gloo weight transfer not initialized: call /init_weight_transfer_engine")
+            dtypes = [getattr(torch, d) for d in update_info.dtype_names]
+            try:
+                for bucket in plan_buckets(update_info.shapes, dtypes, self.bucket_bytes):
+                    sizes = [_numel(update_info.shapes[i]) * dtypes[i].itemsize for i in bucket]
+                    buf = torch.empty(sum(sizes), dtype=torch.uint8)
+                    self.group.broadcast(buf, 0).wait()
+                    # Views of `buf`: the layerwise loader may hold them until the layer is complete.
+                    chunks = buf.split(sizes)
+                    self.model.load_weights(
+                        (update_info.names[i], c.view(dtypes[i]).view(update_info.shapes[i]))
+                        for i, c in zip(bucket, chunks)
+                    )
+            except BaseException:
+                # The trainer died mid-transfer (or timed out). Put every layer back on real tensors
+                # (layers never reached keep their old weights) so the server can still serve once
+                # resumed; the trainer has dropped this server, so the mixed weights never feed training.
+                try:
+                    self.finish_weight_update()
+                except Exception:  # noqa: BLE001 - the transfer error is the one to report
+                    pass
+                raise
+
+        def shutdown(self) -> None:
+            self.group = None
+            self.store = None
+
+    try:
+        WeightTransferEngineFactory.register_engine("gloo", GlooWeightTransferEngine)
+    except ValueError:  # already registered (module imported twice under different names)
+        pass
+
+
+def _repack_cpu_embedding_gemms(model: torch.nn.Module) -> None:
+    """Rebuild the CPU GEMM handle of every embedding-method layer (embed_tokens, lm_head).
+
+    vLLM's CPU backend pre-packs linear weights at load (`dispatch_cpu_unquantized_gemm`: oneDNN or
+    sgl handles holding their own copy). The layerwise reload re-runs that packing for each layer that
+    received weights — but with tied embeddings the checkpoint has no `lm_head.weight`, so the lm_head
+    layer receives nothing, keeps its handle, and computes logits from the OLD embedding (measured:
+    logprobs off by far more than 1e-3 after a sync). Re-dispatching is cheap and leaves the weight in
+    place (`remove_weight=False` for embedding layers).
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    for module in model.modules():
+        if isinstance(getattr(module, "quant_method", None), UnquantizedEmbeddingMethod) and hasattr(
+            module, "cpu_linear"
+        ):
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+
+
+class GlooWorkerExtension:
+    """Named by `--worker-extension-cls` so every vLLM worker imports this module (and so registers the
+    gloo engine) before it loads the model. It adds no methods: the engine does all the work."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# TRAINER SIDE
+# ---------------------------------------------------------------------------------------------------
+
+
+def _post(url: str, path: str, body: dict | None, timeout_s: float) -> dict:
+    """POST JSON; raise with the server's own error text on a non-2xx answer."""
+    data = json.dumps(body or {}).encode()
+    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            text = r.read().decode()
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"HTTP {e.code}: {e.read().decode(errors='replace')[:1000]}") from None
+    return json.loads(text) if text else {}
+
+
+def _alive(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _call_all(urls: list[str], path: str, bodies: list[dict | None], timeout_s: float) -> dict[str, str]:
+    """The same call on every server at once. Returns {url: error} for the servers that failed."""
+    pool = ThreadPoolExecutor(max_workers=max(1, len(urls)))
+    futures = [pool.submit(_post, u, path, b, timeout_s) for u, b in zip(urls, bodies)]
+    pool.shutdown(wait=False)  # never join a thread stuck on a dead server
+    return _collect(urls, futures, timeout_s)
+
+
+def _collect(urls: list[str], futures: list, timeout_s: float) -> dict[str, str]:
+    deadline = time.monotonic() + timeout_s + 5  # urllib's own timeout fires first; this is a backstop
+    errors = {}
+    for u, f in zip(urls, futures):
+        try:
+            f.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            errors[u] = f"no answer within {timeout_s:.0f} s"
+        except Exception as e:  # noqa: BLE001 - reported with the server's name
+            errors[u] = f"{type(e).__name__}: {e}"
+    return errors
+
+
+def _run_with_timeout(fn, timeout_s: float, what: str):
+    """Run `fn` on a daemon thread and give up after `timeout_s` — for calls with no timeout of their
+    own (an NCCL broadcast to a dead peer blocks its stream forever). The thread is left behind."""
+    result: dict = {}
+
+    def target():
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            result["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"{what} did not finish within {timeout_s:.0f} s")
+    if "error" in result:
+        raise result["error"]
+    return result.get("value")
+
+
+class WeightSyncer:
+    """Trainer-side client: owns the transfer group(s) with the server workers, and the version.
+
+    gloo: one group per server (trainer rank 0, that server's workers ranks 1..), so a dead server
+    breaks only its own group and the others still get the whole sync; the trainer posts each bucket
+    to every group at once, which costs what one gloo broadcast to all would (gloo's broadcast sends
+    one copy per peer either way). nccl: one group over all servers, as vLLM's own trainer engine does
+    (NCCL relays through its ring/tree), so a failure there fails the sync for every server.
+
+    `rank` is the trainer rank under FSDP: only rank 0 talks to the servers and broadcasts; the other
+    ranks call `sync` too, so the `full_tensor()` gathers (collectives) stay in step.
+    """
+
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        backend: str = "gloo",
+        master_address: str = "127.0.0.1",
+        http_timeout_s: float = 60.0,
+        transfer_timeout_s: float = 300.0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        send_dtype: torch.dtype | None = None,
+        rank: int = 0,
+    ):
+        assert backend in ("gloo", "nccl"), backend
+        self.urls = [u.rstrip("/") for u in urls]
+        self.backend = backend
+        self.master_address = master_address  # an address of this host the servers can reach
+        self.http_timeout_s = http_timeout_s  # pause/start/finish/version/resume, each call
+        self.transfer_timeout_s = transfer_timeout_s  # group join, /update_weights, each bucket
+        self.bucket_bytes = bucket_bytes
+        self.send_dtype = send_dtype  # e.g. torch.bfloat16 halves the bytes for a bf16 server
+        self.rank = rank
+        self.version: int | None = None
+        self.groups: dict[str, object] = {}  # url -> gloo ProcessGroup; nccl: every url -> one communicator
+        self.stores: list = []  # TCPStores must outlive their groups
+
+    def init(self) -> None:
+        """Ask every server to join while the trainer joins as rank 0 (both sides block until the
+        group is complete, so the HTTP calls run on threads). Raises naming any server that fails."""
+        if self.rank != 0:
+            return
+        from vllm_server import free_port
+
+        sizes = {}
+        for u in self.urls:
+            try:
+                with urllib.request.urlopen(u + "/get_world_size", timeout=self.http_timeout_s) as r:
+                    sizes[u] = int(json.loads(r.read())["world_size"])
+            except Exception as e:
+                raise WeightSyncError(f"init: {u} did not answer /get_world_size: {e}") from e
+        if self.backend == "nccl":
+            port, world = free_port(), 1 + sum(sizes.values())
+            offsets = [1 + sum(sizes[v] for v in self.urls[:i]) for i in range(len(self.urls))]
+            bodies = [{"init_info": self._worker_init_info(port, off, world)} for off in offsets]
+            joins = [(self.urls, port, world)]
+        else:
+            ports = [free_port() for _ in self.urls]
+            bodies = [
+                {"init_info": self._worker_init_info(p, 1, 1 + sizes[u])} for u, p in zip(self.urls, ports)
+            ]
+            joins = [([u], p, 1 + sizes[u]) for u, p in zip(self.urls, ports)]
+        pool = ThreadPoolExecutor(max_workers=len(self.urls))
+        futures = [pool.submit(_post, u, "/init_weight_transfer_engine", b, self.transfer_timeout_s)
+                   for u, b in zip(self.urls, bodies)]  # fmt: skip
+        pool.shutdown(wait=False)
+        try:
+            for urls, port, world in joins:
+                group = self._join(port, world)
+                self.groups.update({u: group for u in urls})
+        except Exception as e:
+            errors = _collect(self.urls, futures, 5)  # a server's own error explains more than our timeout
+            detail = "; ".join(f"{u}: {m}" for u, m in errors.items()) or "no server reported an error"
+            raise WeightSyncError(
+                f"init: the trainer could not form the {self.backend} group(s): {e} ({detail})"
+            ) from e
+        errors = _collect(self.urls, futures, self.transfer_timeout_s)
+        if errors:
+            raise WeightSyncError("init failed: " + "; ".join(f"{u}: {m}" for u, m in errors.items()))
+
+    def _worker_init_info(self, port: int, rank_offset: int, world_size: int) -> dict:
+        info = dict(
+            master_address=self.master_address,
+            master_port=port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+        )
+        if self.backend == "nccl":
+            # vLLM's NCCL engine in packed mode; `_send` uses vLLM's matching packed producer.
+            return info | dict(packed=True, packed_buffer_size_bytes=self.bucket_bytes, packed_num_buffers=2)
+        return info | dict(timeout_s=self.transfer_timeout_s, bucket_bytes=self.bucket_bytes)
+
+    def _join(self, port: int, world_size: int):
+        if self.backend == "nccl":
+            from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+            return trainer_init(
+                dict(master_address=self.master_address, master_port=port, world_size=world_size)
+            )
+        store, group = gloo_group(self.master_address, port, 0, world_size, self.transfer_timeout_s)
+        self.stores.append(store)
+        return group
+
+    def sync(self, named_params: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
+        """Load `named_params` (HF names, as `load_weights` expects; DTensors are gathered one at a
+        time) into every server and tag them with `version`; returns sync/ metrics.
+
+        A server that fails (dead, erroring, or silent past its timeout) is dropped from the rest of
+        the sync and from this syncer; the others finish the sync and are resumed; then
+        `WeightSyncError` names each failed server and the phase it failed in.
+        """
+        params = list(named_params)  # references only: nothing is gathered yet
+        if self.rank != 0:
+            for _, p in params:  # stay in step with rank 0's gathers
+                _materialize(p)
+            return {}
+        if not self.groups:
+            raise WeightSyncError("sync: no server to sync (init() not called, or every server has failed)")
+        dtypes = [self.send_dtype or p.dtype for _, p in params]
+        update_info = {
+            "names": [n for n, _ in params],
+            "dtype_names": [str(d).removeprefix("torch.") for d in dtypes],
+            "shapes": [list(p.shape) for _, p in params],
+        }
+        ok = list(self.urls)  # servers still in this sync
+        failed: dict[str, str] = {}
+
+        def drop(errors: dict[str, str], phase: str) -> None:
+            for u, msg in errors.items():
+                if u in ok:
+                    ok.remove(u)
+                    failed[u] = f"{phase}: {msg}"
+
+        def phase(path: str, body: dict | None = None, name: str | None = None) -> None:
+            drop(
+                _call_all(ok, path, [body] * len(ok), self.http_timeout_s),
+                name or path.strip("/").split("?")[0],
+            )
+
+        t0 = time.perf_counter()
+        phase("/pause?mode=keep")
+        phase("/start_weight_update")
+        # The servers receive inside /update_weights, so it runs while we broadcast.
+        pool = ThreadPoolExecutor(max_workers=max(1, len(ok)))
+        receiving = list(ok)
+        body = {"update_info": update_info}
+        futures = [pool.submit(_post, u, "/update_weights", body, self.transfer_timeout_s) for u in receiving]
+        pool.shutdown(wait=False)
+        t_send = time.perf_counter()
+        num_bytes, send_errors = self._send(params, dtypes, receiving)
+        send_s = time.perf_counter() - t_send
+        drop(send_errors, "update_weights (broadcast)")
+        drop(_collect(receiving, futures, self.transfer_timeout_s), "update_weights")
+        phase("/finish_weight_update")
+        phase("/update_weight_version", {"new_version": str(version)})
+        phase("/resume")
+        seconds = time.perf_counter() - t0
+        if failed:
+            for u in failed:  # never used again: its group is out of step or gone
+                self.urls.remove(u)
+                self.groups.pop(u, None)
+            for u in failed:  # a live server that failed part-way is still paused
+                if _alive(u):
+                    try:
+                        _post(u, "/resume", None, self.http_timeout_s)
+                    except Exception:  # noqa: BLE001 - the sync error below is the one that matters
+                        pass
+            dead = [u for u in failed if not _alive(u)]
+            raise WeightSyncError(
+                f"weight sync to version {version} failed on {len(failed)} server(s) "
+                f"(not responding: {dead or 'none'}); the other {len(ok)} got the new weights, resumed: "
+                + "; ".join(f"{u} in {m}" for u, m in failed.items())
+            )
+        self.version = version
+        mb = num_bytes / 1e6
+        return {
+            "sync/seconds": seconds,
+            "sync/send_seconds": send_s,
+            "sync/mb": mb,
+            "sync/mb_per_s": mb / seconds,
+        }
+
+    def _send(
+        self, params: list[tuple[str, torch.Tensor]], dtypes: list[torch.dtype], urls: list[str]
+    ) -> tuple[int, dict[str, str]]:
+        """Broadcast every tensor from rank 0 to the servers `urls`; returns (bytes, {url: error})."""
+        num_bytes = 0
+
+        def full_tensors():
+            nonlocal num_bytes
+            for (name, p), dtype in zip(params, dtypes):
+                t = _materialize(p).detach().to(dtype)
+                num_bytes += t.numel() * t.element_size()
+                yield name, t
+
+        if self.backend == "nccl":
+            from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+
+            def send() -> None:
+                packed_nccl_broadcast_producer(
+                    iterator=full_tensors(), group=self.groups[urls[0]], src=0,
+                    post_iter_func=lambda item: item[1], buffer_size_bytes=self.bucket_bytes, num_buffers=2,
+                )  # fmt: skip
+                torch.cuda.current_stream().synchronize()
+
+            try:
+                _run_with_timeout(send, self.transfer_timeout_s, "NCCL broadcast")
+            except Exception as e:  # one group: it fails for everyone
+                return num_bytes, {u: f"{type(e).__name__}: {e}" for u in urls}
+            return num_bytes, {}
+
+        live = list(urls)
+        errors: dict[str, str] = {}
+        timeout = datetime.timedelta(seconds=self.transfer_timeout_s)
+        shapes = [list(p.shape) for _, p in params]
+        it = full_tensors()
+        for bucket in plan_buckets(shapes, dtypes, self.bucket_bytes):
+            # Tensors are gathered one at a time, copied into the bucket, then dropped.
+            buf = torch.cat([_to_bytes(next(it)[1].cpu()) for _ in bucket])
+            works = [(u, self.groups[u].broadcast(buf, 0, timeout)) for u in live]  # all servers at once
+            for u, work in works:
+                try:
+                    work.wait()
+                except Exception as e:  # noqa: BLE001 - this server is dropped, the others go on
+                    errors[u] = f"{type(e).__name__}: {str(e)[:500]}"
+                    live.remove(u)
+        return num_bytes, errors
+
+    def close(self) -> None:
+        """Release the groups on both sides; the servers keep serving."""
+        live = [u for u in self.urls if u in self.groups and _alive(u)]
+        if self.rank == 0 and live:
+            _call_all(live, "/shutdown_weight_transfer_engine", [None] * len(live), self.http_timeout_s)
+        self.groups.clear()
+        self.stores.clear()
+
+
+def _materialize(p: torch.Tensor) -> torch.Tensor:
+    # FSDP2 DTensor: all-gather this one parameter now (a collective on every trainer rank).
+    full_tensor = getattr(p, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else p
+
+
+# ---------------------------------------------------------------------------------------------------
+# BENCHMARK: the transport's limit, for `make bench`
+# ---------------------------------------------------------------------------------------------------
+
+
+def bench_raw_gloo_broadcast(num_bytes: int, repeats: int = 3) -> float:
+    """Seconds for one gloo broadcast of `num_bytes` from this process to a second local process
+    (best of `repeats`, after a warm-up) — the floor a CPU weight sync can reach."""
+    from vllm_server import free_port
+
+    port = free_port()
+    # The receiver imports torch only (importing this module would import vLLM: seconds of start-up).
+    receiver = (
+        "import datetime, torch, torch.distributed as dist\n"
+        f"t = datetime.timedelta(seconds=120)\n"
+        f"store = dist.TCPStore('127.0.0.1', {port}, 2, is_master=False, timeout=t)\n"
+        "group = dist.ProcessGroupGloo(store, 1, 2, t)\n"
+        f"buf = torch.empty({num_bytes}, dtype=torch.uint8)\n"
+        "group.broadcast(buf, 0).wait()\n"
+        f"for _ in range({repeats}):\n"
+        "    group.broadcast(buf, 0).wait()\n"
+        "    group.barrier().wait()\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", receiver])
+    try:
+        _, group = gloo_group("127.0.0.1", port, 0, 2, 120)
+        buf = torch.ones(num_bytes, dtype=torch.uint8)
+        group.broadcast(buf, 0).wait()  # warm-up: connections, page faults
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            group.broadcast(buf, 0).wait()
+            group.barrier().wait()  # the receiver has it all, not just our socket buffer
+            best = min(best, time.perf_counter() - t0)
+        return best
+    finally:
+        try:
+            child.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            child.kill()
