@@ -1,0 +1,118 @@
+"""Rollout throughput, measured side by side against one real vLLM server on the tiny model.
+
+    python bench/bench_rollout.py [--url http://127.0.0.1:8000] [--model models/tiny]
+
+1. Client overhead: generated tok/s of our AsyncRolloutWorker vs a bare aiohttp loop sending the same
+   token-id requests (same prompt, same max_tokens, ignore_eos, same concurrency) to the same server.
+2. Scaling: bare tok/s at concurrency 1, 8, 32, 64.
+Prints one JSON object; with --out it is merged into that results file.
+"""
+
+import argparse
+import asyncio
+import itertools
+import json
+import time
+from pathlib import Path
+
+import aiohttp
+from transformers import AutoTokenizer
+
+from envs import load_env
+from rollout import AsyncRolloutWorker, ChatTemplate, VLLMClient
+from vllm_server import start_vllm_server
+
+
+async def bare_loop(
+    url: str, model: str, prompt_ids: list[int], n_requests: int, concurrency: int, gen_len: int
+):
+    body = {
+        "model": model, "prompt": prompt_ids, "max_tokens": gen_len, "logprobs": 0,
+        "return_token_ids": True, "ignore_eos": True, "temperature": 1.0,
+    }  # fmt: skip
+    sem = asyncio.Semaphore(concurrency)
+    tokens = 0
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+
+        async def one():
+            nonlocal tokens
+            async with sem, session.post(f"{url}/v1/completions", json=body) as r:
+                tokens += len((await r.json())["choices"][0]["token_ids"])
+
+        t0 = time.monotonic()
+        await asyncio.gather(*(one() for _ in range(n_requests)))
+    return tokens / (time.monotonic() - t0)
+
+
+def worker_tok_s(url: str, model: str, n_requests: int, concurrency: int, gen_len: int, group_size: int = 8):
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    env = load_env("math")
+    row = {"question": "What is 4821 * 937?", "answer": "4517277"}
+    template = ChatTemplate(tokenizer)
+    prompt_len = len(template.prompt_ids(env.make_episode(row).messages))
+    n_groups = n_requests // group_size
+    worker = AsyncRolloutWorker(
+        VLLMClient([url], model, max_inflight=concurrency), template, env.make_episode,
+        itertools.repeat(row, n_groups), num_generations=group_size, groups_per_version=n_groups,
+        max_staleness=0, max_turns=1, max_context=prompt_len + gen_len, sampling={"ignore_eos": True},
+    )  # fmt: skip
+    t0 = time.monotonic()
+    worker.start()
+    groups = [worker.queue.get(timeout=600) for _ in range(n_groups)]
+    elapsed = time.monotonic() - t0
+    worker.stop()
+    tokens = sum(len(t.generated_ids) for g in groups for c in g.completions for t in c.turns)
+    return tokens / elapsed, template.prompt_ids(env.make_episode(row).messages)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", help="a running server; default: start one")
+    p.add_argument("--model", default="models/tiny", help="model the server serves")
+    p.add_argument("--requests", type=int, default=256, help="requests per measurement")
+    p.add_argument("--gen-len", type=int, default=64, help="generated tokens per request")
+    p.add_argument("--out", help="merge the figures into this JSON file")
+    args = p.parse_args()
+    server = None if args.url else start_vllm_server(args.model)
+    url = args.url or server.url
+    try:
+        # Warm up both paths once, then alternate so drift in the machine hits both alike.
+        ours, prompt_ids = worker_tok_s(url, args.model, 64, 64, args.gen_len)
+        asyncio.run(bare_loop(url, args.model, prompt_ids, 64, 64, args.gen_len))
+        ours_runs, bare_runs = [], []
+        for _ in range(2):
+            ours_runs.append(worker_tok_s(url, args.model, args.requests, 64, args.gen_len)[0])
+            bare_runs.append(
+                asyncio.run(bare_loop(url, args.model, prompt_ids, args.requests, 64, args.gen_len))
+            )
+        scaling = {
+            str(c): round(
+                asyncio.run(bare_loop(url, args.model, prompt_ids, max(32, 4 * c), c, args.gen_len)), 1
+            )
+            for c in (1, 8, 32, 64)
+        }
+    finally:
+        if server:
+            server.stop()
+    ours_tok_s, bare_tok_s = max(ours_runs), max(bare_runs)
+    results = {
+        "rollout_client_overhead": {
+            "worker_tok_s": round(ours_tok_s, 1),
+            "bare_aiohttp_tok_s": round(bare_tok_s, 1),
+            "ratio": round(ours_tok_s / bare_tok_s, 3),
+            "settings": f"{args.requests} requests x {args.gen_len} tokens, concurrency 64, prompt "
+            f"{len(prompt_ids)} tokens, best of 2 alternating runs",
+            "command": "python bench/bench_rollout.py",
+        },
+        "rollout_scaling_tok_s": {**scaling, "command": "python bench/bench_rollout.py"},
+    }
+    print(json.dumps(results, indent=2))
+    if args.out:
+        path = Path(args.out)
+        merged = json.loads(path.read_text()) if path.exists() else {}
+        merged.update(results)
+        path.write_text(json.dumps(merged, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
