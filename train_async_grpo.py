@@ -1,0 +1,777 @@
+"""Asynchronous GRPO for multi-turn tool use: vLLM generates while the trainer trains.
+
+    # CPU, one process: launches its own vLLM server on the model, then trains
+    python train_async_grpo.py --model models/tiny --env retool --max-steps 20
+
+    # against servers that are already running (vllm_server.py or `make serve`)
+    python train_async_grpo.py --model models/tiny --env retool --vllm-url http://127.0.0.1:8000
+
+    # continue a run where its last checkpoint left it
+    python train_async_grpo.py --model models/tiny --env retool --output-dir runs/x --resume
+
+    # curves
+    python scripts/plot_metrics.py runs/x/metrics.jsonl --out runs/x/plots
+
+One GPU box: `--vllm-gpus K` runs one vLLM server on each of the first K GPUs and the trainer on GPU K.
+Multi-rank (FSDP2) training is not implemented yet: this script is one trainer process.
+
+The loop. A background thread (rollout.AsyncRolloutWorker) keeps generating scored groups of
+`--num-generations` completions per prompt into a bounded queue; it admits a new group only while its
+staleness would stay within `--max-staleness` versions. The trainer takes `--prompts-per-step` groups
+per step, drops any that are too stale anyway, skips groups whose rewards are all equal (their advantage
+is zero), packs the sequences, takes one AdamW step, and every `--sync-every` steps pushes its weights
+into the servers (weight_sync.WeightSyncer); the model version then increments.
+
+Choices a reader should know before the code (see loss.py for the loss's own departures):
+  - One optimizer step per batch, so π_old (the trainer's logprob before the update) is the current
+    forward's logprobs detached; no second forward pass. The truncated IS weight min(π_old/μ, C)
+    corrects for the staleness and the inference/training kernel mismatch.
+  - Logprobs are taken at the sampling temperature (logits / T), matching vLLM's processed logprobs.
+  - Packing: every micro-batch is ONE row of concatenated sequences (no padding) whose position_ids
+    restart at 0 for each sequence. With `use_cache=False` and no attention_mask, transformers (≥ 4.54)
+    detects the restarts and builds a block-diagonal causal mask (sdpa, eager) or varlen boundaries
+    (flash-attention), so sequences do not see each other; tests/test_train.py checks that packed
+    logprobs equal one-sequence-at-a-time logprobs. The mask is (T × T) per micro-batch on sdpa: keep
+    `--micro-batch-tokens` a few thousand.
+  - train/mismatch_kl is k3 KL(μ ‖ π_old) over the whole batch; all micro-batches are before the update.
+  - Accuracy = share of completions with reward ≥ 1 (the envs give exactly 1.0 for a correct answer).
+  - Evaluation (`--eval-every`) is greedy (temperature 0) on the held-out split through the same servers
+    and the same tool loop, while training rollouts keep running.
+  - Resume: rows are shuffled with the seed (a new permutation each epoch) and read as one endless
+    stream; the checkpoint stores the stream position just after the last row whose group the trainer
+    took off the queue. Rows still in flight at that moment and before it are not revisited (a few
+    rows lost, none trained twice). The rollout worker on resume counts versions from the resumed one.
+"""
+
+import argparse
+import asyncio
+import functools
+import inspect
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from envs import ENVS, load_env
+from envs.data import load_rows
+from loss import grpo_loss
+from rollout import AsyncRolloutWorker, ChatTemplate, RolloutContext, VLLMClient, tool_loop_rollout
+
+# fmt: off
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+# Model, environment, data
+parser.add_argument("--model", required=True, help="model directory or hub name (Qwen2-style causal LM)")
+parser.add_argument("--env", default="retool", choices=sorted(ENVS), help="environment (envs/)")
+parser.add_argument("--dataset", default="data/retool_train.jsonl", help="training rows (jsonl, parquet)")
+parser.add_argument("--eval-dataset", default="data/retool_test.jsonl", help="held-out rows for --eval-every")
+parser.add_argument("--chat-template", default=None, help="jinja file replacing the tokenizer's template")
+parser.add_argument("--output-dir", default="runs/latest", help="metrics, trajectories, checkpoints")
+parser.add_argument("--seed", type=int, default=0, help="seeds torch, python and the row shuffle")
+# Rollouts
+parser.add_argument("--vllm-url", action="append", default=None,
+                    help="a running vLLM server (repeatable); none = launch our own")
+parser.add_argument("--vllm-gpus", type=int, default=1, help="GPUs for launched servers (CPU: 1)")
+parser.add_argument("--server-timeout", type=float, default=600.0, help="start-up limit for launched servers")
+parser.add_argument("--batch-timeout", type=float, default=600.0,
+                    help="seconds to wait for one batch of groups before failing with the reason")
+parser.add_argument("--prompts-per-step", type=int, default=8, help="groups (prompts) per optimizer step")
+parser.add_argument("--num-generations", type=int, default=8, help="completions per prompt (G)")
+parser.add_argument("--max-staleness", type=int, default=1, help="max versions a group may lag (0 = sync)")
+parser.add_argument("--max-turns", type=int, default=4, help="model turns per completion")
+parser.add_argument("--max-context", type=int, default=2048, help="prompt + completion tokens, hard cap")
+parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (also for logprobs)")
+parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
+parser.add_argument("--sandbox-workers", type=int, default=8, help="concurrent tool (sandbox) processes")
+parser.add_argument("--keep-zero-variance", action="store_true",
+                    help="train on groups whose rewards are all equal (default: skip them)")
+# GRPO loss
+parser.add_argument("--eps-low", type=float, default=0.2, help="lower clip: ratio ≥ 1 − eps_low")
+parser.add_argument("--eps-high", type=float, default=0.28, help="upper clip: ratio ≤ 1 + eps_high (DAPO)")
+parser.add_argument("--is-cap", type=float, default=2.0, help="truncated IS cap C on π_old/μ")
+parser.add_argument("--loss-norm", default="token", choices=["token", "sequence"],
+                    help="token-mean over the batch (DAPO) or mean of per-sequence means")
+parser.add_argument("--no-scale-rewards", action="store_true", help="advantage r − mean, no std division")
+parser.add_argument("--kl-beta", type=float, default=0.0, help="k3 KL to the initial model (0 = none loaded)")
+# Optimization
+parser.add_argument("--max-steps", type=int, default=100, help="optimizer steps")
+parser.add_argument("--lr", type=float, default=1e-6, help="AdamW peak learning rate")
+parser.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+parser.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up steps")
+parser.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine"], help="after warm-up")
+parser.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient-norm clip")
+parser.add_argument("--micro-batch-tokens", type=int, default=4096, help="packed tokens per forward pass")
+parser.add_argument("--sync-every", type=int, default=1, help="push weights to vLLM every N steps")
+# Logging and checkpoints
+parser.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (and at the end)")
+parser.add_argument("--resume", nargs="?", const="latest", default=None,
+                    help="continue from a checkpoint dir, or (no value) the latest in --output-dir")
+parser.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0 = never)")
+parser.add_argument("--eval-limit", type=int, default=64, help="held-out rows per evaluation")
+parser.add_argument("--log-completions-every", type=int, default=10, help="write trajectories every N steps")
+parser.add_argument("--report-to", default="none", choices=["none", "tensorboard", "wandb", "trackio"],
+                    help="experiment tracker (only if installed)")
+# fmt: on
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Bad arguments fail here, before any server or model is started, naming the argument."""
+    positive = ["prompts_per_step", "num_generations", "max_turns", "max_context", "max_steps",
+                "micro_batch_tokens", "sync_every", "save_every", "vllm_gpus", "sandbox_workers",
+                "log_completions_every", "eval_limit"]  # fmt: skip
+    for name in positive:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
+    for name in ["max_staleness", "warmup_steps", "eval_every", "kl_beta", "eps_low", "eps_high",
+                 "weight_decay", "lr"]:  # fmt: skip
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be ≥ 0, got {getattr(args, name)}")
+    if args.temperature <= 0:
+        parser.error(
+            f"--temperature must be > 0 for training (logprobs divide by it), got {args.temperature}"
+        )
+    if not 0 < args.top_p <= 1:
+        parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.is_cap <= 0 or args.max_grad_norm <= 0:
+        parser.error("--is-cap and --max-grad-norm must be > 0")
+    if args.eps_low >= 1:
+        parser.error(f"--eps-low must be < 1, got {args.eps_low}")
+    if args.num_generations < 2:
+        parser.error(
+            f"--num-generations must be ≥ 2 (group advantages need a group), got {args.num_generations}"
+        )
+    for name in ["dataset", "eval_dataset", "chat_template"]:
+        path = getattr(args, name)
+        if path and path.endswith((".jsonl", ".parquet", ".jinja")) and not os.path.exists(path):
+            parser.error(f"--{name.replace('_', '-')}: {path} does not exist")
+    if not os.path.exists(args.model) and "/" not in args.model:
+        parser.error(f"--model: {args.model} is neither a directory nor a hub name")
+    if args.resume not in (None, "latest") and not os.path.isdir(args.resume):
+        parser.error(f"--resume: {args.resume} is not a checkpoint directory")
+    if args.vllm_url:
+        for u in args.vllm_url:
+            if not u.startswith(("http://", "https://")):
+                parser.error(f"--vllm-url must start with http:// or https://, got {u}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# DATA: an endless shuffled stream of rows that can start anywhere
+# ---------------------------------------------------------------------------------------------------
+def row_stream(rows: list[dict], seed: int, start: int = 0):
+    """Row i of the stream is rows[perm_e[i % N]] with e = i // N and perm_e a seeded permutation per
+    epoch. Each row carries `_index` = its stream position (the checkpoint's dataset position)."""
+    n, i = len(rows), start
+    while True:
+        epoch = i // n
+        perm = list(range(n))
+        random.Random(seed * 1_000_003 + epoch).shuffle(perm)
+        for j in range(i % n, n):
+            yield {**rows[perm[j]], "_index": epoch * n + j}
+        i = (epoch + 1) * n
+
+
+# ---------------------------------------------------------------------------------------------------
+# BATCHES: wait for groups, drop stale ones, skip zero-variance ones, explain a timeout
+# ---------------------------------------------------------------------------------------------------
+class BatchTimeout(RuntimeError):
+    pass
+
+
+def server_health(urls: list[str], timeout_s: float = 2.0) -> dict[str, bool]:
+    health = {}
+    for u in urls:
+        try:
+            with urllib.request.urlopen(f"{u}/health", timeout=timeout_s) as r:
+                health[u] = r.status == 200
+        except OSError:
+            health[u] = False
+    return health
+
+
+def explain_batch_timeout(
+    waited_s: float, have: int, need: int, worker_alive: bool, rows_exhausted: bool, stats, client_stats,
+    health: dict[str, bool], dropped_stale: int, skipped_equal: int,
+) -> str:  # fmt: skip
+    """Why no batch came: the likeliest cause first, then every counter that bears on it."""
+    reasons = []
+    down = [u for u, ok in health.items() if not ok]
+    if not worker_alive:
+        reasons.append("the rollout worker thread died (see its traceback in the log above)")
+    if down:
+        reasons.append(f"vLLM server(s) not healthy: {', '.join(down)}")
+    if rows_exhausted:
+        reasons.append("the dataset rows are exhausted")
+    if stats.groups_failed and stats.groups_failed >= stats.groups_done:
+        reasons.append(f"most groups failed ({stats.groups_failed}); last error: {stats.last_error}")
+    if skipped_equal and skipped_equal >= dropped_stale and skipped_equal > have:
+        reasons.append(
+            f"all rewards equal in {skipped_equal} groups (skipped as zero-variance: the task may be too "
+            "hard or too easy for this model; --keep-zero-variance trains on them anyway)"
+        )
+    if dropped_stale and dropped_stale > have:
+        reasons.append(f"{dropped_stale} groups dropped as stale (raise --max-staleness)")
+    if not reasons:
+        reasons.append("generation is slower than the timeout allows (raise --batch-timeout)")
+    return (
+        f"no batch after {waited_s:.0f} s ({have}/{need} groups): " + "; ".join(reasons) + ". Counters: "
+        f"groups started {stats.groups_started}, done {stats.groups_done}, retried {stats.groups_retried}, "
+        f"failed {stats.groups_failed}, discarded {stats.groups_discarded}; dropped stale {dropped_stale}, "
+        f"skipped equal-reward {skipped_equal}; requests {client_stats.requests}, "
+        f"retries {client_stats.retries}; servers {health}"
+    )
+
+
+def collect_groups(worker, num_groups: int, version: int, args, urls: list[str], stop_flag) -> tuple:
+    """Take groups off the queue until `num_groups` usable ones are in hand.
+
+    Returns (groups, taken, dropped_stale, skipped_equal, wait_s); `taken` is every group removed from
+    the queue (for the dataset position). Staleness = trainer version − version the group was admitted
+    at (the worker counts versions from this process's start, `args.version_base`)."""
+    groups, taken, dropped, skipped = [], [], 0, 0
+    t0 = time.monotonic()
+    deadline = t0 + args.batch_timeout
+    while len(groups) < num_groups:
+        if stop_flag["stop"]:
+            raise KeyboardInterrupt
+        try:
+            group = worker.queue.get(timeout=0.5)
+        except Exception:  # queue.Empty
+            if time.monotonic() > deadline or not worker.alive:
+                health = server_health(urls)
+                raise BatchTimeout(
+                    explain_batch_timeout(
+                        time.monotonic() - t0,
+                        len(groups),
+                        num_groups,
+                        worker.alive,
+                        worker.exhausted,
+                        worker.stats,
+                        worker.client.stats,
+                        health,
+                        dropped,
+                        skipped,
+                    )  # fmt: skip
+                ) from None
+            continue
+        taken.append(group)
+        staleness = (version - args.version_base) - group.admitted_version
+        if staleness > args.max_staleness:
+            dropped += 1
+            worker.discard(1)
+        elif not args.keep_zero_variance and max(group.rewards) == min(group.rewards):
+            skipped += 1
+            worker.discard(1)
+        else:
+            group.staleness = staleness
+            groups.append(group)
+    return groups, taken, dropped, skipped, time.monotonic() - t0
+
+
+# ---------------------------------------------------------------------------------------------------
+# PACKING: sequences → micro-batches of one padding-free row each
+# ---------------------------------------------------------------------------------------------------
+def batch_sequences(groups) -> list[dict]:
+    """One dict per completion with per-token arrays over prompt + completion (mask 0 on the prompt)."""
+    seqs = []
+    for g in groups:
+        for c, adv in zip(g.completions, g.advantages):
+            n_p = len(g.prompt_ids)
+            seqs.append({
+                "ids": g.prompt_ids + c.completion_ids,
+                "mask": [0] * n_p + c.loss_mask,
+                "behaviour": [0.0] * n_p + c.behaviour_logprobs,
+                "advantage": float(adv),
+            })  # fmt: skip
+    return seqs
+
+
+def pack(seqs: list[dict], budget: int) -> list[list[int]]:
+    """First-fit decreasing: indices of sequences per micro-batch, each ≤ `budget` tokens (a longer
+    sequence goes alone)."""
+    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]["ids"]))
+    bins: list[list[int]] = []
+    sizes: list[int] = []
+    for i in order:
+        n = len(seqs[i]["ids"])
+        for b, size in enumerate(sizes):
+            if size + n <= budget:
+                bins[b].append(i)
+                sizes[b] += n
+                break
+        else:
+            bins.append([i])
+            sizes.append(n)
+    return bins
+
+
+def collate(seqs: list[dict], device) -> dict[str, torch.Tensor]:
+    """One packed row. Per-token arrays are aligned with `input_ids`; position j's logprob is predicted
+    at j − 1, and the first token of every sequence is a prompt token (mask 0), so the shift never
+    trains across a sequence boundary."""
+    cat = lambda key, dtype: torch.tensor([x for s in seqs for x in s[key]], dtype=dtype, device=device)  # noqa: E731
+    return {
+        "input_ids": cat("ids", torch.long)[None],  # (1, T)
+        "position_ids": torch.cat([torch.arange(len(s["ids"])) for s in seqs]).to(device)[None],  # (1, T)
+        "loss_mask": cat("mask", torch.float32),  # (T,)
+        "behaviour": cat("behaviour", torch.float32),  # (T,)
+        "advantages": torch.tensor(
+            [s["advantage"] for s in seqs for _ in s["ids"]], dtype=torch.float32, device=device
+        ),  # (T,)
+        "seq_index": torch.tensor([k for k, s in enumerate(seqs) for _ in s["ids"]], device=device),  # (T,)
+    }
+
+
+def token_logprobs(model, input_ids, position_ids, temperature: float, with_entropy: bool = False):
+    """log π(token_j | tokens < j) at the sampling temperature for every position of a packed row
+    (position 0 gets 0: nothing predicts it). Returns (logprobs (T,), entropy (T,) or None)."""
+    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0]  # (T, V)
+    logits = logits[:-1].float() / temperature  # (T−1, V): position j−1 predicts token j
+    logz = torch.logsumexp(logits, dim=-1)  # (T−1,)
+    lp = logits.gather(-1, input_ids[0, 1:, None]).squeeze(-1) - logz  # (T−1,)
+    zero = lp.new_zeros(1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            probs = torch.softmax(logits, dim=-1)
+            entropy = torch.cat([zero, logz - (probs * logits).sum(-1)])
+    return torch.cat([zero, lp]), entropy
+
+
+# ---------------------------------------------------------------------------------------------------
+# CHECKPOINTS: temp dir + rename, so a kill -9 leaves either the old or the new one
+# ---------------------------------------------------------------------------------------------------
+def save_checkpoint(out_dir: Path, model, tokenizer, optimizer, scheduler, state: dict) -> Path:
+    final = out_dir / "checkpoints" / f"step_{state['step']:06d}"
+    tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    torch.save(
+        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng, **state},
+        tmp / "trainer_state.pt",
+    )
+    if final.exists():  # re-saving the same step (e.g. after a resume that trained nothing)
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    return final
+
+
+def latest_checkpoint(out_dir: Path) -> Path | None:
+    ckpts = sorted((out_dir / "checkpoints").glob("step_*"))
+    return ckpts[-1] if ckpts else None
+
+
+def param_checksum(named_tensors) -> float:
+    """A float fingerprint of the weights (sum of |w| · (k+1) over sorted names) for resume checks."""
+    total = 0.0
+    for k, (_, t) in enumerate(sorted(named_tensors, key=lambda kv: kv[0])):
+        total += float(t.detach().double().abs().sum()) * (k + 1)
+    return total
+
+
+def lr_lambda(step: int, warmup: int, total: int, schedule: str) -> float:
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    if schedule == "cosine":
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return 1.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# LOGGING: metrics.jsonl always; a tracker only when asked and installed
+# ---------------------------------------------------------------------------------------------------
+class NoTracker:
+    def log(self, metrics: dict, step: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+class TensorBoardTracker:
+    def __init__(self, log_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(log_dir))
+
+    def log(self, metrics: dict, step: int) -> None:
+        for k, v in metrics.items():
+            self.writer.add_scalar(k, v, step)
+
+    def finish(self) -> None:
+        self.writer.close()
+
+
+class ModuleTracker:  # wandb and trackio share init/log/finish
+    def __init__(self, module, project: str, config: dict, name: str):
+        self.module = module
+        module.init(project=project, config=config, name=name)
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.module.log(metrics, step=step)
+
+    def finish(self) -> None:
+        self.module.finish()
+
+
+def make_tracker(report_to: str, out_dir: Path, config: dict):
+    if report_to == "none":
+        return NoTracker()
+    try:
+        if report_to == "tensorboard":
+            return TensorBoardTracker(out_dir / "tensorboard")
+        import importlib
+
+        return ModuleTracker(importlib.import_module(report_to), "async-grpo", config, out_dir.name)
+    except ImportError as e:
+        print(f"--report-to {report_to}: not installed ({e}); logging to metrics.jsonl only", file=sys.stderr)
+        return NoTracker()
+
+
+def rollout_metrics(groups, dropped: int, skipped: int) -> dict[str, float]:
+    rewards = [r for g in groups for r in g.rewards]
+    advs = [a for g in groups for a in g.advantages]
+    comps = [c for g in groups for c in g.completions]
+    t = torch.tensor(rewards)
+    a = torch.tensor(advs)
+    m = {
+        "rollout/reward_mean": t.mean().item(),
+        "rollout/reward_std": t.std(correction=0).item(),
+        "rollout/reward_min": t.min().item(),
+        "rollout/reward_max": t.max().item(),
+        "rollout/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
+        "rollout/advantage_mean": a.mean().item(),
+        "rollout/advantage_std": a.std(correction=0).item(),
+        "rollout/advantage_min": a.min().item(),
+        "rollout/advantage_max": a.max().item(),
+        "rollout/staleness_mean": sum(g.staleness for g in groups) / len(groups),
+        "rollout/staleness_max": float(max(g.staleness for g in groups)),
+        "rollout/dropped_stale": float(dropped),
+        "rollout/skipped_equal_reward": float(skipped),
+    }
+    # group_metrics has a fixed key set: average the per-group means, add up the counts.
+    sums = {"rollout/tool_failures", "rollout/tool_calls", "rollout/generated_tokens",
+            "rollout/generation_s", "rollout/tool_s", "rollout/completions"}  # fmt: skip
+    for k in groups[0].metrics:
+        vals = [g.metrics[k] for g in groups]
+        m[k] = sum(vals) if k in sums else max(vals) if k.endswith("_max") else sum(vals) / len(vals)
+    m["rollout/tool_failure_rate"] = m["rollout/tool_failures"] / max(1.0, m["rollout/tool_calls"])
+    m["rollout/completion_len_min"] = float(min(len(c) for c in comps))
+    versions = [c.model_versions for c in comps if c.turns]
+    m["rollout/multi_version_frac"] = sum(v[0] != v[1] for v in versions) / max(1, len(versions))
+    return m
+
+
+def trajectory_record(group, completion, step: int, tokenizer) -> dict:
+    return {
+        "step": step,
+        "question": group.row.get("question"),
+        "answer": group.row.get("answer"),
+        "text": tokenizer.decode(group.prompt_ids + completion.completion_ids, skip_special_tokens=False),
+        "reward": completion.reward,
+        "stop_reason": completion.stop_reason,
+        "tool_calls": [
+            {"name": c.name, "arguments": c.arguments, "result": c.result[:1000], "failed": c.failed}
+            for c in completion.tool_calls
+        ],
+        "admitted_version": group.admitted_version,
+    }
+
+
+async def evaluate(urls, model_name, template, make_episode, rows, args) -> dict[str, float]:
+    """Greedy (temperature 0) rollouts of held-out rows with the same tool loop as training."""
+    client = VLLMClient(urls, model_name, max_inflight=32, request_timeout_s=args.batch_timeout)
+    await client.open()
+    ctx = RolloutContext(
+        client=client, template=template, sampling={"temperature": 0.0}, max_turns=args.max_turns,
+        max_context=args.max_context, version=lambda: 0,
+        tool_semaphore=asyncio.Semaphore(args.sandbox_workers),
+    )  # fmt: skip
+
+    async def one(row):
+        ep = make_episode(row)
+        comp = await tool_loop_rollout(ctx, ep, template.prompt_ids(ep.messages))
+        return float(ep.reward(comp.messages, comp.tool_calls)), len(comp.tool_calls)
+
+    try:
+        results = await asyncio.gather(*(one(r) for r in rows), return_exceptions=True)
+    finally:
+        await client.close()
+    ok = [r for r in results if not isinstance(r, BaseException)]
+    if not ok:
+        return {"eval/accuracy": float("nan"), "eval/tool_call_rate": float("nan"), "eval/failed": len(rows)}
+    return {
+        "eval/accuracy": sum(r >= 1.0 for r, _ in ok) / len(ok),
+        "eval/tool_call_rate": sum(n > 0 for _, n in ok) / len(ok),
+        "eval/tool_calls_per_completion": sum(n for _, n in ok) / len(ok),
+        "eval/failed": float(len(rows) - len(ok)),
+    }
+
+
+def served_model_name(url: str) -> str:
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
+        return json.loads(r.read())["data"][0]["id"]
+
+
+def sync_weights(syncer, model, version: int) -> dict[str, float]:
+    """Push the trainer's weights into every server, tagged with `version` (the one call site)."""
+    metrics = syncer.sync(model.named_parameters(), version=version)
+    return {k: float(v) for k, v in metrics.items() if k.startswith("sync/")}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser.parse_args(argv)
+    check_args(args)
+
+    # -----------------------------------------------------------------------------------------------
+    # SETUP
+    # -----------------------------------------------------------------------------------------------
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = None
+    if args.resume is not None:
+        ckpt = latest_checkpoint(out_dir) if args.resume == "latest" else Path(args.resume)
+        if ckpt is None:
+            parser.error(f"--resume: no checkpoint in {out_dir / 'checkpoints'}")
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    on_gpu = torch.cuda.is_available()
+    device = torch.device(
+        f"cuda:{args.vllm_gpus}" if on_gpu and not args.vllm_url else "cuda" if on_gpu else "cpu"
+    )
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+
+    env = load_env(args.env)
+    make_episode = env.make_episode
+    if "sandbox" in inspect.signature(env.make_episode).parameters:
+        from envs.sandbox import Sandbox
+
+        make_episode = functools.partial(env.make_episode, sandbox=Sandbox(args.sandbox_workers))
+    rows = load_rows(args.dataset)
+    eval_rows = load_rows(args.eval_dataset, split="test")[: args.eval_limit] if args.eval_every else []
+
+    tokenizer = AutoTokenizer.from_pretrained(ckpt or args.model)
+    if args.chat_template:
+        tokenizer.chat_template = Path(args.chat_template).read_text()
+    template = ChatTemplate(tokenizer, tools=getattr(make_episode(rows[0]), "tools", None))
+    model = AutoModelForCausalLM.from_pretrained(ckpt or args.model, dtype=dtype).to(device)
+    model.train()
+    if on_gpu:
+        model.gradient_checkpointing_enable()
+    ref_model = None
+    if args.kl_beta > 0:
+        ref_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
+        ref_model.requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_lambda(s, args.warmup_steps, args.max_steps, args.lr_schedule)
+    )
+    step, version, position = 0, 0, 0
+    if ckpt is not None:
+        state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        if on_gpu and "cuda" in state["rng"]:
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        step, version, position = state["step"], state["model_version"], state["dataset_position"]
+        print(
+            f"resumed from {ckpt} at step {step}, model version {version}, dataset position {position} "
+            f"(param checksum {param_checksum(model.named_parameters()):.6f})",
+            flush=True,
+        )
+    args.version_base = version  # the worker counts versions from here
+
+    servers, syncer, worker, tracker = [], None, None, NoTracker()
+    stop_flag = {"stop": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop_flag.update(stop=True))
+    last_saved = step
+    metrics_file = open(out_dir / "metrics.jsonl", "a")
+    completions_file = open(out_dir / "completions.jsonl", "a")
+    state = lambda: {"step": step, "model_version": version, "dataset_position": position, "args": vars(args)}  # noqa: E731
+    try:
+        # -------------------------------------------------------------------------------------------
+        # START ROLLOUTS: servers, weight sync group, the worker thread
+        # -------------------------------------------------------------------------------------------
+        if args.vllm_url:
+            urls = [u.rstrip("/") for u in args.vllm_url]
+            model_name = served_model_name(urls[0])
+        else:
+            from vllm_server import start_vllm_servers
+
+            servers = start_vllm_servers(
+                args.model, num_servers=args.vllm_gpus if on_gpu else 1, gpus_per_server=1,
+                log_dir=out_dir / "vllm-logs", timeout_s=args.server_timeout, max_model_len=args.max_context,
+            )  # fmt: skip
+            urls, model_name = [s.url for s in servers], str(args.model)
+        from weight_sync import WeightSyncer
+
+        syncer = WeightSyncer(urls, backend="nccl" if on_gpu else "gloo")
+        syncer.init()
+        if ckpt is not None:  # the servers hold the base model: give them the checkpoint's weights
+            sync_weights(syncer, model, version)
+        client = VLLMClient(urls, model_name, request_timeout_s=args.batch_timeout)
+        worker = AsyncRolloutWorker(
+            client, template, make_episode, row_stream(rows, args.seed, position),
+            num_generations=args.num_generations, groups_per_version=args.prompts_per_step * args.sync_every,
+            max_staleness=args.max_staleness, max_turns=args.max_turns, max_context=args.max_context,
+            sampling={"temperature": args.temperature, "top_p": args.top_p},
+            max_concurrent_tools=args.sandbox_workers, scale_rewards=not args.no_scale_rewards,
+        )  # fmt: skip
+        worker.start()
+        tracker = make_tracker(args.report_to, out_dir, vars(args))
+
+        # -------------------------------------------------------------------------------------------
+        # TRAIN LOOP
+        # -------------------------------------------------------------------------------------------
+        bar = tqdm(total=args.max_steps, initial=step, desc="grpo", dynamic_ncols=True)
+        t_last = time.monotonic()
+        while step < args.max_steps:
+            groups, taken, dropped, skipped, wait_s = collect_groups(
+                worker, args.prompts_per_step, version, args, urls, stop_flag
+            )
+            position = max([position] + [g.row["_index"] + 1 for g in taken])
+
+            # Forward/backward over packed micro-batches; the loss denominators are batch-wide.
+            t_train = time.monotonic()
+            seqs = batch_sequences(groups)
+            bins = pack(seqs, args.micro_batch_tokens)
+            total_tokens = float(sum(sum(s["mask"]) for s in seqs))
+            num_sequences = float(sum(1 for s in seqs if sum(s["mask"]) > 0))
+            sums: dict[str, float] = {}
+            is_max, n_train_tokens = 0.0, 0
+            optimizer.zero_grad(set_to_none=True)
+            for idx in bins:
+                mb = collate([seqs[i] for i in idx], device)
+                n_train_tokens += mb["input_ids"].shape[1]
+                logprobs, entropy = token_logprobs(
+                    model, mb["input_ids"], mb["position_ids"], args.temperature, with_entropy=True
+                )
+                ref = None
+                if ref_model is not None:
+                    with torch.no_grad():
+                        ref, _ = token_logprobs(
+                            ref_model, mb["input_ids"], mb["position_ids"], args.temperature
+                        )
+                loss, m = grpo_loss(
+                    logprobs, logprobs.detach(), mb["behaviour"], mb["advantages"], mb["loss_mask"],
+                    mb["seq_index"], eps_low=args.eps_low, eps_high=args.eps_high, is_cap=args.is_cap,
+                    loss_norm=args.loss_norm, total_tokens=max(total_tokens, 1.0),
+                    num_sequences=max(num_sequences, 1.0), ref_logprobs=ref, kl_beta=args.kl_beta,
+                    entropy=entropy,
+                )  # fmt: skip
+                loss.backward()
+                sums["loss"] = sums.get("loss", 0.0) + loss.item()
+                for k, v in m.items():
+                    if k == "is_ratio_max":
+                        is_max = max(is_max, v.item())
+                    else:
+                        sums[k] = sums.get(k, 0.0) + v.item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            train_s = time.monotonic() - t_train
+
+            # Weight sync every --sync-every steps; the worker admits by the new version.
+            sync = {"sync/seconds": 0.0, "sync/mb": 0.0, "sync/mb_per_s": 0.0}
+            if step % args.sync_every == 0:
+                version += 1
+                sync.update(sync_weights(syncer, model, version))
+                worker.set_version(version - args.version_base)
+
+            # Metrics: one dict per step.
+            now = time.monotonic()
+            step_s, t_last = now - t_last, now
+            ntok = max(sums.get("tokens", 0.0), 1.0)
+            metrics = {"step": step, "model_version": version, "dataset_position": position}
+            metrics.update(rollout_metrics(groups, dropped, skipped))
+            metrics.update({
+                "train/loss": sums["loss"],
+                "train/clip_low_frac": sums["clip_low"] / ntok,
+                "train/clip_high_frac": sums["clip_high"] / ntok,
+                "train/is_ratio_mean": sums["is_ratio"] / ntok,
+                "train/is_ratio_max": is_max,
+                "train/is_capped_frac": sums["is_capped"] / ntok,
+                "train/mismatch_kl": sums["mismatch_kl"] / ntok,
+                "train/entropy": sums["entropy"] / ntok,
+                "train/kl_ref": sums.get("kl_ref", 0.0) / ntok,
+                "train/grad_norm": grad_norm,
+                "train/lr": lr,
+                "train/loss_tokens": sums.get("tokens", 0.0),
+                "train/micro_batches": float(len(bins)),
+            })  # fmt: skip
+            metrics.update(sync)
+            metrics.update({
+                "perf/step_s": step_s,
+                "perf/wait_s": wait_s,
+                "perf/idle_frac": wait_s / step_s,
+                "perf/train_s": train_s,
+                "perf/gen_tok_s": metrics["rollout/generated_tokens"] / step_s,
+                "perf/train_tok_s": n_train_tokens / train_s,
+                "perf/groups_failed": float(worker.stats.groups_failed),
+                "perf/groups_retried": float(worker.stats.groups_retried),
+            })  # fmt: skip
+            if args.eval_every and step % args.eval_every == 0:
+                t_eval = time.monotonic()
+                metrics.update(
+                    asyncio.run(evaluate(urls, model_name, template, make_episode, eval_rows, args))
+                )
+                metrics["perf/eval_s"] = time.monotonic() - t_eval
+                t_last += metrics["perf/eval_s"]  # eval time is not the next step's
+            metrics_file.write(json.dumps(metrics) + "\n")
+            metrics_file.flush()
+            tracker.log(metrics, step)
+            if step % args.log_completions_every == 0 or step == 1:
+                for g in groups[:2]:
+                    for c in g.completions[:2]:
+                        completions_file.write(json.dumps(trajectory_record(g, c, step, tokenizer)) + "\n")
+                completions_file.flush()
+            bar.update(1)
+            bar.set_postfix(
+                reward=f"{metrics['rollout/reward_mean']:.3f}", acc=f"{metrics['rollout/accuracy']:.2f}",
+                gen_tok_s=f"{metrics['perf/gen_tok_s']:.0f}",
+                train_tok_s=f"{metrics['perf/train_tok_s']:.0f}",
+            )  # fmt: skip
+            if step % args.save_every == 0:
+                save_checkpoint(out_dir, model, tokenizer, optimizer, scheduler, state())
+                last_saved = step
+        bar.close()
+    except KeyboardInterrupt:
+        print(f"\ninterrupted at step {step}; saving a final checkpoint", file=sys.stderr, flush=True)
+    finally:
+        # -------------------------------------------------------------------------------------------
+        # SHUTDOWN: stop admitting → stop the worker → release the sync group → stop the servers
+        # -------------------------------------------------------------------------------------------
+        exc = sys.exc_info()[1]
+        if worker is not None:
+            worker.stop(timeout_s=10.0)
+        if step > last_saved and (exc is None or isinstance(exc, KeyboardInterrupt)):
+            path = save_checkpoint(out_dir, model, tokenizer, optimizer, scheduler, state())
+            print(f"saved {path}", flush=True)
+        if syncer is not None:
+            syncer.close()
+        for s in servers:
+            s.stop()
+        tracker.finish()
+        metrics_file.close()
+        completions_file.close()
+
+
+if __name__ == "__main__":
+    main()
