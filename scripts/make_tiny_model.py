@@ -2,6 +2,10 @@
 
     python scripts/make_tiny_model.py --out models/tiny            # random weights (~0.4M params)
     python scripts/make_tiny_model.py --out models/tiny-tied --tie # same, tied embeddings
+    python scripts/make_tiny_model.py --warm-from models/tiny --tool-fraction 1.0 --steps 300 \
+        --out models/tiny-warm                                      # calls the tool (~2 min)
+    python scripts/make_tiny_model.py --warm-from models/tiny --tool-fraction 0.15 --steps 300 \
+        --out models/tiny-demo                                      # knows the format, rarely calls
 
 The model is a Qwen2 causal LM (hidden 128, 2 layers, head_dim 64 — vLLM's CPU attention rejects 16)
 with a byte-level BPE tokenizer trained here on a synthetic corpus, digits split one per token so
@@ -9,16 +13,45 @@ arithmetic is learnable, and the Qwen2.5 hermes chat template (tools listed in t
 `<tool_call>{json}</tool_call>` in assistant turns, tool results as `<tool_response>` in a user turn).
 The chat markers and tool tags are special tokens, so `</tool_call>` is a single id the rollout worker
 can stop on. Saved with `save_pretrained`, loadable by transformers and vLLM alike.
+
+Warm variants (`--warm-from`): a random model never emits a tool call, so the tests and the demo start
+from one fine-tuned on synthetic retool traces, built from the TRAIN split with the env's own messages
+and tool and rendered by the tokenizer's own chat template, exactly as rollouts will see them:
+- tool trace (fraction F): `<tool_call>` running a one-line program for the problem, the program's real
+  output as the tool message, then `The answer is \\boxed{VALUE}.`
+- direct trace (1 - F): `The answer is \\boxed{GUESS}.` with GUESS right ~10% of the time, so the model
+  knows the format but is usually wrong without the tool.
+Loss only on what the model generates in a rollout: after `<|im_start|>assistant\n` up to and including
+`</tool_call>` for a tool-calling turn (the `<|im_end|>` after it is appended by the worker, not
+generated), up to and including `<|im_end|>` for an answer turn. Deterministic given --seed (AdamW, fp32,
+CPU, deterministic algorithms). A greedy self-check on held-out TEST products prints the tool-call rate
+and the end-to-end correct rate with the real interpreter's output fed back.
 """
 
 import argparse
+import asyncio
 import json
+import math
 import random
+import re
+import sys
+import time
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DynamicCache,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from the repo root
+from envs.data import load_rows  # noqa: E402
+from envs.retool import make_episode  # noqa: E402
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -160,13 +193,277 @@ def build_model(vocab_size: int, tie: bool) -> Qwen2ForCausalLM:
     return Qwen2ForCausalLM(config)
 
 
+# ---------------------------------------------------------------------------------------------------
+# WARM START: synthetic retool traces, masked to the generated tokens, fine-tuned on CPU
+# ---------------------------------------------------------------------------------------------------
+def tool_program(row: dict) -> tuple[str, int]:
+    """The one-line Python that answers a retool row, and its value (computed here, same semantics)."""
+    q = row["question"]
+    nums = [int(x) for x in re.findall(r"\d+", q)]
+    if row["kind"] == "product":
+        a, b = nums
+        code, value = f"print({a} * {b})", a * b
+    elif row["kind"] == "power_mod":
+        a, b, m = nums
+        code, value = f"print(pow({a}, {b}, {m}))", pow(a, b, m)
+    elif row["kind"] == "range_sum" and "squares" in q:
+        lo, hi = nums
+        code, value = (
+            f"print(sum(i * i for i in range({lo}, {hi + 1})))",
+            sum(i * i for i in range(lo, hi + 1)),
+        )
+    elif row["kind"] == "range_sum":
+        lo, hi = nums
+        code, value = f"print(sum(range({lo}, {hi + 1})))", sum(range(lo, hi + 1))
+    else:
+        raise ValueError(f"no program for kind {row['kind']!r}: {q}")
+    assert str(value) == row["answer"], (q, value, row["answer"])
+    return code, value
+
+
+def guess(answer: str, rng: random.Random) -> str:
+    """A plausible answer: right ~10% of the time, else the right leading digits and random trailing ones
+    (the leading digit stays, so the length and magnitude look right)."""
+    if rng.random() < 0.1 or len(answer) < 2:
+        return answer
+    keep = rng.randint(1, max(1, len(answer) // 2))
+    while True:
+        g = answer[:keep] + "".join(rng.choice("0123456789") for _ in range(len(answer) - keep))
+        if g != answer:
+            return g
+
+
+def trace_messages(row: dict, episode, use_tool: bool, rng: random.Random) -> list[dict]:
+    if not use_tool:
+        return episode.messages + [
+            {"role": "assistant", "content": f"The answer is \\boxed{{{guess(row['answer'], rng)}}}."}
+        ]
+    code, value = tool_program(row)
+    call = {"type": "function", "function": {"name": "code_interpreter", "arguments": {"code": code}}}
+    # envs.retool.format_result gives a normal run's output unchanged: print's text with its newline.
+    return episode.messages + [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "name": "code_interpreter", "content": f"{value}\n"},
+        {"role": "assistant", "content": f"The answer is \\boxed{{{value}}}."},
+    ]
+
+
+def generated_mask(ids: list[int], header: list[int], im_start: int, im_end: int, call_end: int) -> list[int]:
+    """1 on the ids the model generates in a rollout, 0 on context. An assistant turn's generated ids
+    start after its header (`<|im_start|>` + `header`) and end at the first `</tool_call>` (a tool-calling
+    turn: the worker appends the `<|im_end|>` after it) or `<|im_end|>` (an answer turn), inclusive."""
+    mask = [0] * len(ids)
+    i = 0
+    while i < len(ids):
+        if ids[i] == im_start and ids[i + 1 : i + 1 + len(header)] == header:
+            j = i + 1 + len(header)
+            while ids[j] not in (im_end, call_end):
+                mask[j] = 1
+                j += 1
+            mask[j] = 1
+            i = j
+        i += 1
+    return mask
+
+
+def encode_trace(tokenizer, messages: list[dict], tools: list) -> tuple[list[int], list[int]]:
+    """(ids, generated mask) of one rendered trace. Checks token-in/token-out agreement: the ids of every
+    prompt a rollout would send (each assistant turn's generation prompt) are a prefix of these ids."""
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    ids = encode(tokenizer.apply_chat_template(messages, tools=tools, tokenize=False))
+    im_start, im_end, call_end = tokenizer.convert_tokens_to_ids(
+        ["<|im_start|>", "<|im_end|>", "</tool_call>"]
+    )
+    header = None
+    for n, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prompt = encode(
+            tokenizer.apply_chat_template(
+                messages[:n], tools=tools, tokenize=False, add_generation_prompt=True
+            )
+        )
+        assert ids[: len(prompt)] == prompt, "a generation prompt does not tokenize as a prefix of the trace"
+        # The assistant header's ids (`assistant\n`): what follows the prompt's last <|im_start|>.
+        header = prompt[len(prompt) - prompt[::-1].index(im_start) :]
+    return ids, generated_mask(ids, header, im_start, im_end, call_end)
+
+
+def batch_loss(
+    model, prefix: torch.Tensor, batch: list[tuple[list[int], list[int]]], pad_id: int
+) -> torch.Tensor:
+    """Mean cross-entropy over the generated tokens of a batch that shares the id prefix `prefix`.
+
+    The ~330-token system turn (tool schema included) is the same in every trace, so it runs once per step
+    (batch 1, with grad) and its KV cache is repeated over the batch; the ~90-token tails then attend to
+    it. Same result as running the full sequences, at about a quarter of the work. Tails are right-padded:
+    causal attention keeps real tokens from seeing pads, and pads carry no loss."""
+    cache = DynamicCache(config=model.config)
+    model(prefix[None], past_key_values=cache, use_cache=True)
+    cache.batch_repeat_interleave(len(batch))
+    p = len(prefix)
+    t = max(len(ids) for ids, _ in batch) - p
+    tails = torch.full((len(batch), t), pad_id, dtype=torch.long)
+    masks = torch.zeros((len(batch), t), dtype=torch.bool)
+    for i, (ids, mask) in enumerate(batch):
+        tails[i, : len(ids) - p] = torch.tensor(ids[p:])
+        masks[i, : len(ids) - p] = torch.tensor(mask[p:], dtype=torch.bool)
+    assert not masks[:, 0].any(), "a trace's first tail token is trained: the shared prefix is too long"
+    logits = model(tails, past_key_values=cache, use_cache=True).logits  # (B, T, V)
+    # Position j predicts tail token j+1; the first tail token (predicted by the prefix) is never trained.
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    nll = -logp.gather(-1, tails[:, 1:, None]).squeeze(-1)  # (B, T-1)
+    m = masks[:, 1:]
+    return (nll * m).sum() / m.sum()
+
+
+def run_tool(episode, code: str) -> str:
+    return asyncio.run(episode.code_interpreter(code))
+
+
+@torch.no_grad()
+def self_check(model, tokenizer, rows: list[dict], max_new_tokens: int = 64) -> dict:
+    """Greedy, on held-out rows: does the first turn call code_interpreter with a `code` argument, and is the
+    final \\boxed{} answer right once the real interpreter's output is fed back (rendered by the template)?"""
+    model.eval()
+    stop = tokenizer.convert_tokens_to_ids(["</tool_call>", "<|im_end|>"])
+    n_call = n_right = 0
+    for row in rows:
+        episode = make_episode(row)
+        messages = list(episode.messages)
+        for _turn in range(2):
+            prompt = tokenizer.apply_chat_template(
+                messages, tools=episode.tools, tokenize=False, add_generation_prompt=True
+            )
+            ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)])
+            out = model.generate(
+                ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop, pad_token_id=stop[1]
+            )
+            text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=False)
+            call = parse_tool_call(text)
+            if call is None:
+                messages.append({"role": "assistant", "content": text.removesuffix("<|im_end|>")})
+                break
+            n_call += _turn == 0
+            messages.append(
+                {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]}
+            )
+            messages.append(
+                {
+                    "role": "tool",
+                    "name": call["name"],
+                    "content": run_tool(episode, call["arguments"]["code"]),
+                }
+            )
+        n_right += episode.reward(messages, []) == 1.0
+    model.train()
+    return {"tool_call_rate": n_call / len(rows), "correct_rate": n_right / len(rows), "n": len(rows)}
+
+
+def parse_tool_call(text: str) -> dict | None:
+    """{"name", "arguments"} of a well-formed code_interpreter call in `text`, else None."""
+    m = re.search(r"<tool_call>(.*?)</tool_call>", text, re.DOTALL)
+    if m is None:
+        return None
+    try:
+        call = json.loads(m.group(1))
+    except json.JSONDecodeError:
+        return None
+    ok = isinstance(call, dict) and call.get("name") == "code_interpreter"
+    ok = ok and isinstance(call.get("arguments"), dict) and isinstance(call["arguments"].get("code"), str)
+    return call if ok else None
+
+
+def warm_start(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(args.warm_from)
+    model = AutoModelForCausalLM.from_pretrained(args.warm_from, dtype=torch.float32)
+    model.train()
+
+    # Traces: one per train row, tool or direct drawn once; the direct guesses are fixed per row.
+    t0 = time.time()
+    traces = []
+    for row in load_rows(args.train):
+        episode = make_episode(row)
+        messages = trace_messages(row, episode, rng.random() < args.tool_fraction, rng)
+        traces.append(encode_trace(tokenizer, messages, episode.tools))
+    n_prefix = min(len(ids) for ids, _ in traces)
+    for ids, _ in traces:  # the longest id prefix every trace shares
+        n_prefix = next((i for i in range(n_prefix) if ids[i] != traces[0][0][i]), n_prefix)
+    prefix = torch.tensor(traces[0][0][:n_prefix])
+    n_tool = sum(tokenizer.convert_tokens_to_ids("</tool_call>") in ids[n_prefix:] for ids, _ in traces)
+    print(
+        f"{len(traces)} traces ({n_tool} with a tool call), shared prefix {n_prefix} ids, "
+        f"longest {max(len(ids) for ids, _ in traces)}, built in {time.time() - t0:.1f} s"
+    )
+
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    warmup = max(1, args.steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / args.steps))),
+    )
+    pad_id = tokenizer.pad_token_id
+    t0 = time.time()
+    for step in range(1, args.steps + 1):
+        batch = [traces[rng.randrange(len(traces))] for _ in range(args.batch_size)]
+        loss = batch_loss(model, prefix, batch, pad_id)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % 25 == 0 or step == args.steps:
+            dt = time.time() - t0
+            print(
+                f"step {step}/{args.steps}  loss {loss.item():.4f} {dt:.0f} s {dt / step * 1e3:.0f} ms/step",
+                flush=True,
+            )
+    print(f"trained {args.steps} steps in {time.time() - t0:.1f} s, final loss {loss.item():.4f}")
+
+    out = Path(args.out)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    if args.check_n > 0:
+        rows = [r for r in load_rows(args.test) if r["kind"] == "product"][: args.check_n]
+        stats = self_check(model, tokenizer, rows)
+        print(
+            f"self-check on {stats['n']} held-out products (greedy): tool-call rate "
+            f"{stats['tool_call_rate']:.2f}, correct with real tool output {stats['correct_rate']:.2f}"
+        )
+    print(f"wrote {out}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="models/tiny", help="output directory")
-    p.add_argument("--seed", type=int, default=0, help="seed for corpus, merges and weights")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed for corpus, merges and weights (or traces and batches)"
+    )
     p.add_argument("--vocab-size", type=int, default=1024, help="BPE vocabulary size")
     p.add_argument("--tie", action="store_true", help="tie lm_head to the embeddings")
+    # warm start
+    p.add_argument(
+        "--warm-from", default=None, help="fine-tune the model in this directory instead of building one"
+    )
+    p.add_argument("--tool-fraction", type=float, default=1.0, help="fraction of traces that call the tool")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=32, help="traces per step")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (warmup, cosine to 10%%)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (1 beside a running vLLM server)")
+    p.add_argument("--train", default="data/retool_train.jsonl", help="rows the traces are built from")
+    p.add_argument("--test", default="data/retool_test.jsonl", help="rows of the self-check")
+    p.add_argument("--check-n", type=int, default=20, help="held-out products in the self-check (0: none)")
     args = p.parse_args()
+    if args.warm_from:
+        warm_start(args)
+        return
 
     rng = random.Random(args.seed)
     torch.manual_seed(args.seed)
