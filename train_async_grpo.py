@@ -488,6 +488,7 @@ def trajectory_record(group, completion, step: int, tokenizer) -> dict:
             for c in completion.tool_calls
         ],
         "admitted_version": group.admitted_version,
+        "row_index": group.row.get("_index"),
     }
 
 

@@ -1,0 +1,69 @@
+"""Plot a run's metrics.jsonl as PNG curves, one figure per key prefix (rollout/, train/, ...).
+
+python scripts/plot_metrics.py runs/latest/metrics.jsonl --out runs/latest/plots
+"""
+
+import argparse
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("metrics", help="metrics.jsonl written by train_async_grpo.py")
+parser.add_argument("--out", default=None, help="output directory (default: plots/ beside the metrics file)")
+parser.add_argument("--keys", nargs="*", default=None, help="only these keys (default: every numeric key)")
+
+
+def load(path: str) -> dict[str, list[tuple[int, float]]]:
+    """key -> [(step, value)]; a resumed run's repeated steps keep the last value written."""
+    series: dict[str, dict[int, float]] = defaultdict(dict)
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            for k, v in row.items():
+                if k != "step" and isinstance(v, int | float) and math.isfinite(v):
+                    series[k][row["step"]] = float(v)
+    return {k: sorted(v.items()) for k, v in series.items()}
+
+
+def main(argv: list[str] | None = None) -> list[Path]:
+    args = parser.parse_args(argv)
+    out = Path(args.out) if args.out else Path(args.metrics).parent / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+    series = load(args.metrics)
+    keys = [k for k in series if args.keys is None or k in args.keys]
+    by_prefix: dict[str, list[str]] = defaultdict(list)
+    for k in keys:
+        by_prefix[k.split("/")[0] if "/" in k else "run"].append(k)
+    written = []
+    for prefix, ks in sorted(by_prefix.items()):
+        cols = min(4, len(ks))
+        rows = math.ceil(len(ks) / cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 2.8 * rows), squeeze=False)
+        for ax, k in zip(axes.flat, sorted(ks)):
+            steps, values = zip(*series[k])
+            ax.plot(steps, values, marker="." if len(steps) < 50 else None)
+            ax.set_title(k, fontsize=9)
+            ax.set_xlabel("step", fontsize=8)
+            ax.tick_params(labelsize=7)
+        for ax in list(axes.flat)[len(ks) :]:
+            ax.axis("off")
+        fig.tight_layout()
+        path = out / f"{prefix}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    print(f"wrote {len(written)} figures to {out}")
+    return written
+
+
+if __name__ == "__main__":
+    main()

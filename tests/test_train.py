@@ -1,0 +1,227 @@
+"""The trainer: packing against one-sequence-at-a-time logprobs, the batch-wait timeout's explanation, the
+resumable row stream, argument checks, and the real pipeline end to end (a subprocess with its own vLLM
+server and weight sync: a few steps, kill -9, --resume at the same step)."""
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import train_async_grpo as T
+from rollout import ClientStats, WorkerStats
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------------------------------------------
+# PACKING
+# ---------------------------------------------------------------------------------------------------
+def _seq(prompt_len: int, completion_len: int, gen: torch.Generator) -> dict:
+    n = prompt_len + completion_len
+    return {
+        "ids": torch.randint(0, 500, (n,), generator=gen).tolist(),
+        "mask": [0] * prompt_len + [1] * completion_len,
+        "behaviour": [0.0] * n,
+        "advantage": 1.0,
+    }
+
+
+def test_packed_logprobs_equal_per_sequence_logprobs(tiny_model):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(0)
+    seqs = [_seq(5, 9, gen), _seq(3, 4, gen), _seq(7, 12, gen)]
+    mb = T.collate(seqs, "cpu")
+    assert mb["position_ids"][0].tolist() == [*range(14), *range(7), *range(19)]
+    with torch.no_grad():
+        packed, entropy = T.token_logprobs(model, mb["input_ids"], mb["position_ids"], 0.7, with_entropy=True)
+        alone = []
+        for s in seqs:
+            ids = torch.tensor(s["ids"])[None]
+            lp, _ = T.token_logprobs(model, ids, torch.arange(ids.shape[1])[None], 0.7)
+            # Reference without our helper: plain forward, no position_ids, log_softmax at temperature.
+            logits = model(ids).logits[0, :-1] / 0.7
+            ref = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+            torch.testing.assert_close(lp[1:], ref, atol=1e-5, rtol=1e-5)
+            alone.append(lp)
+    mask = mb["loss_mask"].bool()  # every sequence's first token (a prompt token) is masked out
+    torch.testing.assert_close(packed[mask], torch.cat(alone)[mask], atol=1e-5, rtol=1e-5)
+    assert entropy.shape == packed.shape and (entropy[mask] > 0).all()
+
+
+def test_pack_respects_the_token_budget():
+    lens = [100, 30, 70, 250, 10, 60]
+    seqs = [{"ids": [0] * n} for n in lens]
+    bins = T.pack(seqs, budget=128)
+    assert sorted(i for b in bins for i in b) == list(range(len(lens)))
+    for b in bins:
+        assert sum(lens[i] for i in b) <= 128 or len(b) == 1  # an over-long sequence goes alone
+
+
+# ---------------------------------------------------------------------------------------------------
+# BATCH WAIT
+# ---------------------------------------------------------------------------------------------------
+def _fake_worker(alive: bool, groups=(), **stats):
+    q = queue.Queue()
+    for g in groups:
+        q.put(g)
+    return SimpleNamespace(
+        queue=q, alive=alive, exhausted=False, stats=WorkerStats(**stats),
+        client=SimpleNamespace(stats=ClientStats()), discard=lambda n=1: None,
+    )  # fmt: skip
+
+
+def _args(**kw):
+    return SimpleNamespace(batch_timeout=1.0, max_staleness=1, keep_zero_variance=False, version_base=0, **kw)
+
+
+def test_batch_timeout_names_a_dead_worker_and_a_down_server():
+    worker = _fake_worker(alive=False, groups_started=3, groups_failed=3, last_error="GenerationError: boom")
+    with pytest.raises(T.BatchTimeout) as e:
+        T.collect_groups(worker, 2, 0, _args(), ["http://127.0.0.1:9"], {"stop": False})
+    msg = str(e.value)
+    assert "rollout worker thread died" in msg
+    assert "not healthy: http://127.0.0.1:9" in msg
+    assert "GenerationError: boom" in msg and "0/2 groups" in msg
+
+
+def test_batch_timeout_says_all_rewards_were_equal_and_stale_groups_are_dropped():
+    equal = SimpleNamespace(rewards=[0.0] * 4, admitted_version=0, row={"_index": 0})
+    stale = SimpleNamespace(rewards=[0.0, 1.0], admitted_version=0, row={"_index": 1})
+    worker = _fake_worker(alive=True, groups=[equal] * 3, groups_started=3, groups_done=3)
+    t0 = time.monotonic()
+    with pytest.raises(T.BatchTimeout) as e:
+        T.collect_groups(worker, 1, 0, _args(), [], {"stop": False})
+    assert time.monotonic() - t0 < 10
+    assert "all rewards equal in 3 groups" in str(e.value)
+    worker = _fake_worker(alive=True, groups=[stale] * 2, groups_started=2, groups_done=2)
+    with pytest.raises(T.BatchTimeout) as e:
+        T.collect_groups(worker, 1, 5, _args(), [], {"stop": False})  # trainer at version 5
+    assert "2 groups dropped as stale" in str(e.value)
+
+
+def test_row_stream_resumes_where_it_left_off():
+    rows = [{"question": str(i)} for i in range(5)]
+    full = T.row_stream(rows, seed=3)
+    first = [next(full) for _ in range(13)]
+    assert sorted(r["question"] for r in first[:5]) == [str(i) for i in range(5)]  # an epoch is a permutation
+    assert [r["_index"] for r in first] == list(range(13))
+    resumed = T.row_stream(rows, seed=3, start=7)
+    assert [next(resumed) for _ in range(6)] == first[7:13]
+
+
+def test_bad_arguments_fail_before_anything_starts(capsys, tiny_model):
+    for argv, name in [
+        (["--max-steps", "0"], "--max-steps"),
+        (["--temperature", "0"], "--temperature"),
+        (["--dataset", "nope.jsonl"], "--dataset"),
+        (["--vllm-url", "localhost:8000"], "--vllm-url"),
+        (["--num-generations", "1"], "--num-generations"),
+    ]:
+        with pytest.raises(SystemExit):
+            T.main(["--model", str(tiny_model), *argv])
+        assert name in capsys.readouterr().err
+
+
+def test_lr_schedule():
+    assert T.lr_lambda(0, 4, 10, "constant") == pytest.approx(0.2)
+    assert T.lr_lambda(4, 4, 10, "constant") == 1.0
+    assert T.lr_lambda(10, 0, 10, "cosine") == pytest.approx(0.0, abs=1e-9)
+    assert T.lr_lambda(5, 0, 10, "cosine") == pytest.approx(0.5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# END TO END: the real script, its own vLLM server (weight sync mutates it), kill -9, resume
+# ---------------------------------------------------------------------------------------------------
+def _model() -> Path:
+    warm = REPO / "models" / "tiny-warm"
+    return warm if (warm / "config.json").exists() else REPO / "models" / "tiny"
+
+
+def _cmd(out: Path, max_steps: int, *extra: str) -> list[str]:
+    # Rewards of the tiny models are almost always all equal: --keep-zero-variance keeps the batches
+    # coming, and weight decay makes every step change the weights (zero advantages give zero gradients),
+    # so "the resumed weights equal the checkpoint's" cannot pass by the weights never moving.
+    return [
+        sys.executable, str(REPO / "train_async_grpo.py"), "--model", str(_model()), "--env", "retool",
+        "--output-dir", str(out), "--max-steps", str(max_steps), "--prompts-per-step", "2",
+        "--num-generations", "4", "--max-context", "512", "--max-turns", "2", "--save-every", "2",
+        "--sync-every", "1", "--keep-zero-variance", "--lr", "1e-3", "--weight-decay", "0.1",
+        "--log-completions-every", "1", "--eval-every", "2", "--eval-limit", "2", "--batch-timeout", "300",
+        *extra,
+    ]  # fmt: skip
+
+
+def _checksum(ckpt: Path) -> float:
+    return T.param_checksum(load_file(ckpt / "model.safetensors").items())
+
+
+@pytest.mark.slow
+def test_end_to_end_kill_and_resume(tmp_path):
+    out = tmp_path / "run"
+    log1 = open(tmp_path / "run1.log", "w")
+    proc = subprocess.Popen(_cmd(out, 8), cwd=REPO, stdout=log1, stderr=subprocess.STDOUT)
+    ckpt2 = out / "checkpoints" / "step_000002"
+    deadline = time.monotonic() + 600
+    while not ckpt2.exists():
+        assert proc.poll() is None, (tmp_path / "run1.log").read_text()[-4000:]
+        assert time.monotonic() < deadline, "no step-2 checkpoint after 600 s"
+        time.sleep(0.5)
+    os.kill(proc.pid, signal.SIGKILL)  # kill -9 mid-run: its server dies with it (PR_SET_PDEATHSIG)
+    proc.wait()
+    log1.close()
+
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines[:2]] == [1, 2]
+    required = [
+        "rollout/reward_mean", "rollout/reward_std", "rollout/reward_min", "rollout/reward_max",
+        "rollout/accuracy", "rollout/advantage_mean", "rollout/advantage_std", "train/loss",
+        "train/clip_low_frac", "train/clip_high_frac", "train/is_ratio_mean", "train/is_ratio_max",
+        "train/is_capped_frac", "train/mismatch_kl", "train/entropy", "train/grad_norm", "train/lr",
+        "rollout/completion_len_mean", "rollout/completion_len_max", "rollout/stop_eos",
+        "rollout/stop_max_turns", "rollout/stop_context_budget", "rollout/turns_per_completion",
+        "rollout/tool_calls_per_completion", "rollout/tool_failure_rate", "rollout/staleness_mean",
+        "rollout/staleness_max", "rollout/dropped_stale", "rollout/skipped_equal_reward", "perf/wait_s",
+        "perf/idle_frac", "perf/gen_tok_s", "perf/train_tok_s", "sync/seconds", "model_version",
+    ]  # fmt: skip
+    for m in lines:
+        assert not [k for k in required if k not in m], m
+    assert lines[1]["model_version"] == 2 and lines[1]["sync/seconds"] > 0
+    assert "eval/accuracy" in lines[1] and "eval/tool_call_rate" in lines[1]
+    assert (out / "completions.jsonl").read_text().strip()
+
+    # The checkpoint: complete (no temp dir left as the latest), loadable, and trained.
+    assert {"model.safetensors", "config.json", "tokenizer.json", "trainer_state.pt"} <= {
+        p.name for p in ckpt2.iterdir()
+    }
+    AutoModelForCausalLM.from_pretrained(ckpt2)
+    state = torch.load(ckpt2 / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 2 and state["model_version"] == 2 and state["dataset_position"] >= 4
+    assert _checksum(ckpt2) != pytest.approx(_checksum(_model()), rel=1e-9)
+
+    # Resume from that checkpoint (not from a later one the killed run may have written).
+    for later in (out / "checkpoints").glob("step_*"):
+        if later != ckpt2:
+            subprocess.run(["rm", "-rf", str(later)], check=True)
+    r = subprocess.run(_cmd(out, 3, "--resume"), cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    resumed = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("resumed from")]
+    assert resumed and "at step 2, model version 2" in resumed[0], resumed
+    checksum = float(resumed[0].rsplit("param checksum ", 1)[1].rstrip(")"))
+    assert checksum == pytest.approx(_checksum(ckpt2), rel=1e-12)
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 3 and last["model_version"] == 3
+    # No row trained before the checkpoint is generated again.
+    step3 = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
+    step3 = [x for x in step3 if x["step"] == 3][-2:]
+    assert step3 and all(x["row_index"] >= state["dataset_position"] for x in step3)
+    assert (out / "checkpoints" / "step_000003" / "model.safetensors").exists()
