@@ -1,0 +1,91 @@
+"""Weight-sync speed against one real vLLM server, next to the transport's limit.
+
+    python bench/bench_weight_sync.py [--model models/tiny] [--widen 8] [--syncs 5]
+
+Syncs the trainer's weights into the server `--syncs` times (gloo on CPU, NCCL on GPU) and reports
+the median sync seconds and MB/s beside a raw gloo broadcast of the same bytes between two local
+processes (`weight_sync.bench_raw_gloo_broadcast`). The tiny model is ~2 MB, so its sync time is the
+six HTTP round trips of the protocol; `--widen N` builds a copy with hidden and MLP sizes N times
+larger (random weights, the tiny tokenizer) so the transfer itself shows. Prints one JSON object; with
+--out it is merged into that results file.
+"""
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from vllm_server import start_vllm_server
+from weight_sync import WeightSyncer, bench_raw_gloo_broadcast
+
+
+def widened_model(model: str, widen: int, out: Path) -> str:
+    """A random-weight copy of `model` with hidden/MLP sizes x `widen` (head_dim kept, so more heads)."""
+    config = AutoConfig.from_pretrained(model)
+    config.hidden_size *= widen
+    config.intermediate_size *= widen
+    config.num_attention_heads *= widen
+    config.num_key_value_heads *= widen
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    for f in Path(model).glob("*"):
+        if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
+            shutil.copy(f, out / f.name)
+    return str(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="models/tiny", help="model directory the server and trainer load")
+    p.add_argument("--widen", type=int, default=1, help="scale hidden/MLP sizes by this factor (1 = as is)")
+    p.add_argument("--syncs", type=int, default=5, help="syncs to time (the median is reported)")
+    p.add_argument("--out", default=None, help="JSON results file to merge into")
+    args = p.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-sync-"))
+    model_dir = widened_model(args.model, args.widen, tmp / "model") if args.widen > 1 else args.model
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    extra = [] if torch.cuda.is_available() else ["--enforce-eager"]
+    with start_vllm_server(model_dir, extra_args=extra, log_dir=tmp) as server:
+        syncer = WeightSyncer([server.url], backend="nccl" if torch.cuda.is_available() else "gloo")
+        syncer.init()
+        runs = []
+        for version in range(1, args.syncs + 1):
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.add_(1e-3)
+            runs.append(syncer.sync(model.named_parameters(), version=version))
+        syncer.close()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    mb = runs[0]["sync/mb"]
+    sync_s = statistics.median(r["sync/seconds"] for r in runs)
+    send_s = statistics.median(r["sync/send_seconds"] for r in runs)
+    raw_s = bench_raw_gloo_broadcast(int(mb * 1e6))
+    result = {
+        "weight_sync": {
+            "model": args.model,
+            "widen": args.widen,
+            "mb": round(mb, 2),
+            "sync_seconds": round(sync_s, 4),
+            "sync_mb_per_s": round(mb / sync_s, 1),
+            "broadcast_seconds": round(send_s, 4),  # the transfer alone, inside the sync
+            "raw_gloo_seconds": round(raw_s, 4),
+            "raw_gloo_mb_per_s": round(mb / raw_s, 1),
+            "sync_over_raw": round(sync_s / raw_s, 1),
+        }
+    }
+    print(json.dumps(result, indent=1))
+    if args.out:
+        path = Path(args.out)
+        merged = json.loads(path.read_text()) if path.exists() else {}
+        path.write_text(json.dumps(merged | result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
