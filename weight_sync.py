@@ -1,7 +1,7 @@
 """Push the trainer's weights into running vLLM servers, over NCCL on GPU and gloo on CPU.
 
     syncer = WeightSyncer([s.url for s in servers], backend="gloo")   # "nccl" on GPU
-    syncer.init()                                   # once: every server worker joins one group
+    syncer.init()                                   # once: the server workers join the trainer
     metrics = syncer.sync(model.named_parameters(), version=step)
     syncer.close()
 
@@ -12,9 +12,10 @@ One protocol for both transports: vLLM's own weight-transfer HTTP routes (`VLLM_
     -> /finish_weight_update -> /update_weight_version -> /resume
 
 `/update_weights` blocks inside the server until its workers have received every tensor, so it runs
-on a thread while the trainer broadcasts. The trainer is rank 0 of one group holding every worker of
-every server (server i's workers at ranks 1 + the worker counts of servers 0..i-1), so one broadcast
-feeds all servers.
+on a thread while the trainer broadcasts. The trainer is rank 0. gloo: one group per server (its
+workers at ranks 1..), each bucket posted to all groups at once, so a dead server breaks only its own
+group. nccl: one group over every worker of every server (server i's workers after those of servers
+0..i-1), as vLLM's own trainer engine does.
 
 GPU: the workers run vLLM's `nccl` engine and the trainer uses vLLM's own NCCL helpers (rendezvous
 and packed producer), so both sides are vLLM's code. CPU: vLLM ships no CPU engine, so this module
@@ -24,13 +25,13 @@ below, which is how this module gets imported inside the workers. The gloo engin
 one: the same update payload (names, dtypes, shapes), the same layerwise reload; tensors travel in
 buckets of up to `bucket_bytes`, cut identically on both sides from that payload.
 
-Never hang: every HTTP call and every collective has a timeout. A failed sync names the server and
-the phase, tears the group down (which frees the surviving workers blocked in a receive), resumes the
-surviving servers so queued requests finish, and raises `WeightSyncError`; the group is unusable after
-that, so the run must stop (or build a new `WeightSyncer`).
+Never hang: every HTTP call and every collective has a timeout (the NCCL send, which has none, runs
+on a thread we stop waiting for). A server that fails (dead, erroring, silent) is dropped from the
+rest of the sync; the others complete it and are resumed; then `WeightSyncError` names each failed
+server and its phase, so the run can stop cleanly. The syncer carries on with the survivors if asked.
 
 Departures from vLLM's own trainer engine (`NCCLTrainerWeightTransferEngine`): several independent
-servers in one group, pause/resume and the version bump done here, timeouts on everything, and on
+servers (one gloo group each), pause/resume and the version bump done here, timeouts on everything, and on
 CPU the tied lm_head re-packed after each sync (see `_repack_cpu_embedding_gemms`).
 """
 
@@ -508,7 +509,10 @@ class WeightSyncer:
         if self.backend == "nccl":
             from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
+            device = torch.cuda.current_device()
+
             def send() -> None:
+                torch.cuda.set_device(device)  # a new thread starts on device 0
                 packed_nccl_broadcast_producer(
                     iterator=full_tensors(), group=self.groups[urls[0]], src=0,
                     post_iter_func=lambda item: item[1], buffer_size_bytes=self.bucket_bytes, num_buffers=2,

@@ -14,14 +14,16 @@ import argparse
 import json
 import shutil
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from vllm_server import start_vllm_server
-from weight_sync import WeightSyncer, bench_raw_gloo_broadcast
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file from anywhere
+from vllm_server import start_vllm_server  # noqa: E402
+from weight_sync import WeightSyncer, bench_raw_gloo_broadcast  # noqa: E402
 
 
 def widened_model(model: str, widen: int, out: Path) -> str:
