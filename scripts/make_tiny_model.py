@@ -327,10 +327,13 @@ def run_tool(episode, code: str) -> str:
 @torch.no_grad()
 def self_check(model, tokenizer, rows: list[dict], max_new_tokens: int = 64) -> dict:
     """Greedy, on held-out rows: does the first turn call code_interpreter with a `code` argument, and is the
-    final \\boxed{} answer right once the real interpreter's output is fed back (rendered by the template)?"""
+    final \\boxed{} answer right once the real interpreter's output is fed back (rendered by the template)?
+    Greedy hides a tool habit below 50%, so also the mean first-token probability of `<tool_call>`."""
     model.eval()
     stop = tokenizer.convert_tokens_to_ids(["</tool_call>", "<|im_end|>"])
+    call_start = tokenizer.convert_tokens_to_ids("<tool_call>")
     n_call = n_right = 0
+    p_call = 0.0
     for row in rows:
         episode = make_episode(row)
         messages = list(episode.messages)
@@ -342,6 +345,8 @@ def self_check(model, tokenizer, rows: list[dict], max_new_tokens: int = 64) -> 
             out = model.generate(
                 ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop, pad_token_id=stop[1]
             )
+            if _turn == 0:  # how often sampling at temperature 1 would open with a tool call
+                p_call += model(ids).logits[0, -1].softmax(-1)[call_start].item()
             text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=False)
             call = parse_tool_call(text)
             if call is None:
@@ -360,7 +365,8 @@ def self_check(model, tokenizer, rows: list[dict], max_new_tokens: int = 64) -> 
             )
         n_right += episode.reward(messages, []) == 1.0
     model.train()
-    return {"tool_call_rate": n_call / len(rows), "correct_rate": n_right / len(rows), "n": len(rows)}
+    n = len(rows)
+    return {"tool_call_rate": n_call / n, "correct_rate": n_right / n, "p_tool_call": p_call / n, "n": n}
 
 
 def parse_tool_call(text: str) -> dict | None:
@@ -435,7 +441,8 @@ def warm_start(args: argparse.Namespace) -> None:
         stats = self_check(model, tokenizer, rows)
         print(
             f"self-check on {stats['n']} held-out products (greedy): tool-call rate "
-            f"{stats['tool_call_rate']:.2f}, correct with real tool output {stats['correct_rate']:.2f}"
+            f"{stats['tool_call_rate']:.2f}, correct with real tool output {stats['correct_rate']:.2f}, "
+            f"mean p(<tool_call> first) {stats['p_tool_call']:.2f}"
         )
     print(f"wrote {out}")
 
