@@ -592,7 +592,7 @@ def main(argv: list[str] | None = None) -> None:
         step, version, position = state["step"], state["model_version"], state["dataset_position"]
         print(
             f"resumed from {ckpt} at step {step}, model version {version}, dataset position {position} "
-            f"(param checksum {param_checksum(model.named_parameters()):.6f})",
+            f"(param checksum {param_checksum(model.named_parameters())!r})",
             flush=True,
         )
     args.version_base = version  # the worker counts versions from here
@@ -619,6 +619,10 @@ def main(argv: list[str] | None = None) -> None:
                 log_dir=out_dir / "vllm-logs", timeout_s=args.server_timeout, max_model_len=args.max_context,
             )  # fmt: skip
             urls, model_name = [s.url for s in servers], str(args.model)
+            # Process groups of the servers: after a kill -9 of this script their engine processes can
+            # outlive the API server; `kill -9 -PGID` cleans up.
+            servers_file = out_dir / "vllm-logs" / "servers.json"
+            servers_file.write_text(json.dumps([{"url": s.url, "pgid": s.proc.pid} for s in servers]))
         from weight_sync import WeightSyncer
 
         syncer = WeightSyncer(urls, backend="nccl" if on_gpu else "gloo")

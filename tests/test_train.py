@@ -176,9 +176,15 @@ def test_end_to_end_kill_and_resume(tmp_path):
         assert proc.poll() is None, (tmp_path / "run1.log").read_text()[-4000:]
         assert time.monotonic() < deadline, "no step-2 checkpoint after 600 s"
         time.sleep(0.5)
-    os.kill(proc.pid, signal.SIGKILL)  # kill -9 mid-run: its server dies with it (PR_SET_PDEATHSIG)
+    os.kill(proc.pid, signal.SIGKILL)  # kill -9 mid-run
     proc.wait()
     log1.close()
+    # The API server dies with it (PR_SET_PDEATHSIG) but vLLM's engine processes may not: clean up.
+    for server in json.loads((out / "vllm-logs" / "servers.json").read_text()):
+        try:
+            os.killpg(server["pgid"], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines[:2]] == [1, 2]
