@@ -41,6 +41,11 @@ Choices a reader should know before the code (see loss.py for the loss's own dep
     stream; the checkpoint stores the stream position just after the last row whose group the trainer
     took off the queue. Rows still in flight at that moment and before it are not revisited (a few
     rows lost, none trained twice). The rollout worker on resume counts versions from the resumed one.
+    metrics.jsonl is appended to, so steps a killed run logged after its last checkpoint appear twice;
+    scripts/plot_metrics.py keeps the last line per step.
+  - Shutdown (end, Ctrl-C, SIGTERM, exception): stop the rollout worker → final checkpoint (not after
+    an exception) → release the weight-sync group → stop the servers. Launched servers' process groups
+    are in <output_dir>/vllm-logs/servers.json for cleanup after a kill -9.
 """
 
 import argparse
@@ -597,7 +602,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     args.version_base = version  # the worker counts versions from here
 
-    servers, syncer, worker, tracker = [], None, None, NoTracker()
+    servers, syncer, worker, tracker, bar = [], None, None, NoTracker(), None
     stop_flag = {"stop": False}
     signal.signal(signal.SIGTERM, lambda *_: stop_flag.update(stop=True))
     last_saved = step
@@ -756,7 +761,6 @@ def main(argv: list[str] | None = None) -> None:
             if step % args.save_every == 0:
                 save_checkpoint(out_dir, model, tokenizer, optimizer, scheduler, state())
                 last_saved = step
-        bar.close()
     except KeyboardInterrupt:
         print(f"\ninterrupted at step {step}; saving a final checkpoint", file=sys.stderr, flush=True)
     finally:
@@ -764,6 +768,8 @@ def main(argv: list[str] | None = None) -> None:
         # SHUTDOWN: stop admitting → stop the worker → release the sync group → stop the servers
         # -------------------------------------------------------------------------------------------
         exc = sys.exc_info()[1]
+        if bar is not None:
+            bar.close()
         if worker is not None:
             worker.stop(timeout_s=10.0)
         if step > last_saved and (exc is None or isinstance(exc, KeyboardInterrupt)):
