@@ -22,13 +22,22 @@ $(STAMPS)/install: requirements.txt requirements-engine-$(ENGINE).txt
 	.venv/bin/python -c "import vllm, transformers, torch; print('engine', vllm.__version__, 'torch', torch.__version__)"
 	@mkdir -p $(STAMPS) && touch $@
 
-tiny-model: models/tiny/config.json models/tiny-tied/config.json
+tiny-model: models/tiny/config.json models/tiny-tied/config.json models/tiny-warm/config.json \
+	models/tiny-demo/config.json
 
 models/tiny/config.json: scripts/make_tiny_model.py $(STAMPS)/install
 	$(PY) scripts/make_tiny_model.py --out models/tiny
 
 models/tiny-tied/config.json: scripts/make_tiny_model.py $(STAMPS)/install
 	$(PY) scripts/make_tiny_model.py --out models/tiny-tied --tie
+
+# Warm starts fine-tuned from models/tiny on synthetic retool traces (bit-reproducible, 1-5 min each on
+# CPU): tiny-warm always calls the tool (tests need real tool calls); tiny-demo rarely does (the demo).
+models/tiny-warm/config.json: models/tiny/config.json scripts/make_tiny_model.py data/retool_train.jsonl
+	$(PY) scripts/make_tiny_model.py --warm-from models/tiny --tool-fraction 1.0 --out models/tiny-warm
+
+models/tiny-demo/config.json: models/tiny/config.json scripts/make_tiny_model.py data/retool_train.jsonl
+	$(PY) scripts/make_tiny_model.py --warm-from models/tiny --tool-fraction 0.15 --out models/tiny-demo
 
 test: install tiny-model
 	.venv/bin/ruff check .

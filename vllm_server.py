@@ -37,22 +37,44 @@ def group_pids(pgid: int) -> list[int]:
     """Live processes in a process group (a server's group id is its API process's pid)."""
     pids = []
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.getpgid(int(entry)) == pgid:
-                    pids.append(int(entry))
-            except ProcessLookupError:
-                pass
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # Fields after the parenthesised command name: state, ppid, pgrp. Zombies are dead already.
+        state, _ppid, pgrp = stat.rsplit(")", 1)[1].split()[:3]
+        if int(pgrp) == pgid and state != "Z":
+            pids.append(int(entry))
     return pids
 
 
-def _die_with_parent() -> None:
-    # The API server dies when the process that started it dies, even by SIGKILL: no orphaned engines.
-    import ctypes
+# Kills a server's process group when the process that started it dies, however it dies (SIGKILL
+# included): it blocks reading a pipe whose only write end lives in the starter, and EOF means "gone".
+# PR_SET_PDEATHSIG would not do: it reaches only the API process, and vLLM's engine processes outlive it.
+_WATCHDOG = """
+import os, signal, sys
+pgid, fd = int(sys.argv[1]), int(sys.argv[2])
+os.read(fd, 1)
+try:
+    os.killpg(pgid, signal.SIGKILL)
+except ProcessLookupError:
+    pass
+"""
 
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    os.setsid()
+
+def _start_watchdog(pgid: int) -> int:
+    """Start the watchdog for process group `pgid`; returns the write end of its lifeline pipe."""
+    read_end, write_end = os.pipe()  # both close-on-exec: no other child inherits the lifeline
+    subprocess.Popen(
+        [sys.executable, "-c", _WATCHDOG, str(pgid), str(read_end)],
+        pass_fds=(read_end,),
+        start_new_session=True,
+    )
+    os.close(read_end)
+    return write_end
 
 
 class VLLMServer:
@@ -60,6 +82,7 @@ class VLLMServer:
 
     def __init__(self, proc: subprocess.Popen, url: str, log_path: Path):
         self.proc = proc
+        self._lifeline = _start_watchdog(proc.pid)
         self.url = url
         self.log_path = log_path
 
@@ -109,6 +132,12 @@ class VLLMServer:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
+        deadline = time.monotonic() + 5  # SIGKILL is asynchronous: wait until the group is gone
+        while group_pids(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self._lifeline is not None:
+            os.close(self._lifeline)  # the watchdog exits
+            self._lifeline = None
 
     def __enter__(self) -> "VLLMServer":
         return self
@@ -184,9 +213,7 @@ def start_vllm_server(
         if cpu_threads_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
-        )
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     server = VLLMServer(proc, f"http://127.0.0.1:{port}", log_path)
     _live_servers.append(server)
     if wait:
