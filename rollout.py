@@ -437,6 +437,7 @@ class AsyncRolloutWorker:
         scale_rewards: bool = True,
         rollout_fn: RolloutFn | None = None,
         queue_size: int | None = None,
+        start_version: int = 0,
     ):
         self.client = client
         self.template = template
@@ -457,7 +458,8 @@ class AsyncRolloutWorker:
             queue_size or groups_per_version * (max_staleness + 1)
         )
         self.stats = WorkerStats()
-        self.version = 0
+        self.version = start_version  # the trainer's model version; a resumed run starts above 0
+        self._start_version = start_version  # admission counts groups from here
         self._stopping = threading.Event()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_thread, name="rollout-worker", daemon=True)
@@ -513,7 +515,8 @@ class AsyncRolloutWorker:
 
     def _admissible(self) -> bool:
         live = self.stats.groups_started - self.stats.groups_failed - self.stats.groups_discarded
-        return live < (self.version + 1 + self.max_staleness) * self.groups_per_version
+        versions = self.version - self._start_version + 1 + self.max_staleness
+        return live < versions * self.groups_per_version
 
     async def _main_loop(self) -> None:
         await self.client.open()

@@ -240,7 +240,7 @@ def collect_groups(worker, num_groups: int, version: int, args, urls: list[str],
 
     Returns (groups, taken, dropped_stale, skipped_equal, wait_s); `taken` is every group removed from
     the queue (for the dataset position). Staleness = trainer version − version the group was admitted
-    at (the worker counts versions from this process's start, `args.version_base`)."""
+    at."""
     groups, taken, dropped, skipped = [], [], 0, 0
     t0 = time.monotonic()
     deadline = t0 + args.batch_timeout
@@ -268,7 +268,7 @@ def collect_groups(worker, num_groups: int, version: int, args, urls: list[str],
                 ) from None
             continue
         taken.append(group)
-        staleness = (version - args.version_base) - group.admitted_version
+        staleness = version - group.admitted_version
         if staleness > args.max_staleness:
             dropped += 1
             worker.discard(1)
@@ -600,7 +600,6 @@ def main(argv: list[str] | None = None) -> None:
             f"(param checksum {param_checksum(model.named_parameters())!r})",
             flush=True,
         )
-    args.version_base = version  # the worker counts versions from here
 
     servers, syncer, worker, tracker, bar = [], None, None, NoTracker(), None
     stop_flag = {"stop": False}
@@ -641,6 +640,7 @@ def main(argv: list[str] | None = None) -> None:
             max_staleness=args.max_staleness, max_turns=args.max_turns, max_context=args.max_context,
             sampling={"temperature": args.temperature, "top_p": args.top_p},
             max_concurrent_tools=args.sandbox_workers, scale_rewards=not args.no_scale_rewards,
+            start_version=version,
         )  # fmt: skip
         worker.start()
         tracker = make_tracker(args.report_to, out_dir, vars(args))
@@ -703,7 +703,7 @@ def main(argv: list[str] | None = None) -> None:
             if step % args.sync_every == 0:
                 version += 1
                 sync.update(sync_weights(syncer, model, version))
-                worker.set_version(version - args.version_base)
+                worker.set_version(version)
 
             # Metrics: one dict per step.
             now = time.monotonic()

@@ -81,7 +81,7 @@ def _fake_worker(alive: bool, groups=(), **stats):
 
 
 def _args(**kw):
-    return SimpleNamespace(batch_timeout=1.0, max_staleness=1, keep_zero_variance=False, version_base=0, **kw)
+    return SimpleNamespace(batch_timeout=1.0, max_staleness=1, keep_zero_variance=False, **kw)
 
 
 def test_batch_timeout_names_a_dead_worker_and_a_down_server():
