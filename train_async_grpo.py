@@ -40,7 +40,7 @@ Choices a reader should know before the code (see loss.py for the loss's own dep
   - Resume: rows are shuffled with the seed (a new permutation each epoch) and read as one endless
     stream; the checkpoint stores the stream position just after the last row whose group the trainer
     took off the queue. Rows still in flight at that moment and before it are not revisited (a few
-    rows lost, none trained twice). The rollout worker on resume counts versions from the resumed one.
+    rows lost, none trained twice). The rollout worker starts at the resumed version.
     metrics.jsonl is appended to, so steps a killed run logged after its last checkpoint appear twice;
     scripts/plot_metrics.py keeps the last line per step.
   - Shutdown (end, Ctrl-C, SIGTERM, exception): stop the rollout worker → final checkpoint (not after
