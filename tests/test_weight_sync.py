@@ -134,6 +134,41 @@ def test_sync_one_server_twice(server_a):
     syncer.close()
 
 
+def sampled_logprob(url: str, prompt: list[int]) -> tuple[int, float]:
+    import json
+
+    body = {"model": "m", "prompt": prompt, "max_tokens": 1, "logprobs": 0, "return_token_ids": True}
+    with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
+        body["model"] = json.loads(r.read())["data"][0]["id"]
+    req = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        choice = json.loads(r.read())["choices"][0]
+    return choice["token_ids"][0], choice["logprobs"]["token_logprobs"][0]
+
+
+def test_prefix_cache_holds_no_old_weights_after_sync(server_a):
+    """A prompt cached before a sync must not be served from KV computed with the old weights: the
+    first token sampled after the sync has exactly the new policy's logprob. (vLLM 0.32's /pause in keep
+    mode resets the prefix cache and preempts running requests, whose KV is then recomputed with the new
+    weights; this test keeps that true.)"""
+    prompt = [3 + (i * 37) % 500 for i in range(400)]  # several KV blocks long
+    model = load_trainer_model("tiny")
+    perturb(model, seed=3)
+    syncer = WeightSyncer([server_a.url])
+    syncer.init()
+    syncer.sync(model.named_parameters(), version=3)
+    sampled_logprob(server_a.url, prompt)  # now the prompt's blocks are in the prefix cache
+    perturb(model, seed=4)
+    syncer.sync(model.named_parameters(), version=4)
+    token, logprob = sampled_logprob(server_a.url, prompt)
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0, -1], -1)[token].item()
+    syncer.close()
+    assert abs(logprob - expected) < TOL, f"stale prefix cache: vLLM {logprob:.4f} vs trainer {expected:.4f}"
+
+
 def test_sync_tied_embeddings(server_tied):
     # vLLM's CPU backend pre-packs the lm_head GEMM at load; a tied lm_head receives no weight of its
     # own in a sync, so without `_repack_cpu_embedding_gemms` its logits come from the old embedding.
