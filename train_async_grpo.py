@@ -12,8 +12,21 @@
     # curves
     python scripts/plot_metrics.py runs/x/metrics.jsonl --out runs/x/plots
 
-One GPU box: `--vllm-gpus K` runs one vLLM server on each of the first K GPUs and the trainer on GPU K.
-Multi-rank (FSDP2) training is not implemented yet: this script is one trainer process.
+One 8-GPU box: `--vllm-gpus K` runs one vLLM server on each of GPUs 0..K-1 and the trainer ranks on
+GPUs K..7, rank r on GPU K + r (all 8 GPUs visible, no CUDA_VISIBLE_DEVICES):
+
+    torchrun --nproc-per-node 6 train_async_grpo.py --model Qwen/Qwen2.5-1.5B-Instruct --vllm-gpus 2
+
+    # the same distributed code on CPU (gloo), as tests/test_train.py runs it
+    python -m torch.distributed.run --nproc-per-node 2 train_async_grpo.py --model models/tiny-warm
+
+Multi-rank (WORLD_SIZE > 1): FSDP2 (`fully_shard` on each decoder layer, then the root; nccl on GPU,
+gloo on CPU). Rank 0 owns the servers, the rollout worker, eval, metrics and writing checkpoints; each
+step it broadcasts the packed sequences (or a stop message, so an error or Ctrl-C on rank 0 ends every
+rank), every rank packs them identically, trains on micro-batches rank::world_size and scales its loss
+by world_size (FSDP averages gradients over ranks; the denominators are the whole batch's). Every rank
+joins the gathers of the weight sync and of the checkpoints (full state dicts, model and optimizer,
+gathered to rank 0's CPU), so a checkpoint is the same files whatever the number of ranks.
 
 The loop. A background thread (rollout.AsyncRolloutWorker) keeps generating scored groups of
 `--num-generations` completions per prompt into a bounded queue; it admits a new group only while its
@@ -43,14 +56,14 @@ Choices a reader should know before the code (see loss.py for the loss's own dep
     rows lost, none trained twice). The rollout worker starts at the resumed version.
     metrics.jsonl is appended to, so steps a killed run logged after its last checkpoint appear twice;
     scripts/plot_metrics.py keeps the last line per step.
-  - Shutdown (end, Ctrl-C, SIGTERM, exception): stop the rollout worker → final checkpoint (also after a
-    batch timeout or a failed weight sync, which strike between steps; not after an exception mid-step)
-    → release the weight-sync group → stop the servers. Launched servers' process groups
+  - Shutdown (end, Ctrl-C, SIGTERM, exception): stop the rollout worker → final checkpoint (not after
+    an exception) → release the weight-sync group → stop the servers. Launched servers' process groups
     are in <output_dir>/vllm-logs/servers.json for cleanup after a kill -9.
 """
 
 import argparse
 import asyncio
+import datetime
 import functools
 import inspect
 import json
@@ -65,6 +78,14 @@ import urllib.request
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -353,19 +374,154 @@ def token_logprobs(model, input_ids, position_ids, temperature: float, with_entr
 
 
 # ---------------------------------------------------------------------------------------------------
+# TRAIN STEP: every rank holds the whole batch and trains on its share of the micro-batches
+# ---------------------------------------------------------------------------------------------------
+def train_step(model, ref_model, optimizer, scheduler, seqs, args, rank, world_size, device) -> dict:
+    """Forward/backward over this rank's packed micro-batches, then one clipped AdamW step. The loss
+    denominators count the whole batch (all micro-batches, all ranks); FSDP averages gradients over
+    ranks, so each rank's loss is scaled by world_size and the update is the one-process update.
+    Returns the train/ metrics of the whole batch."""
+    bins = pack(seqs, args.micro_batch_tokens)
+    total_tokens = float(sum(sum(s["mask"]) for s in seqs))
+    num_sequences = float(sum(1 for s in seqs if sum(s["mask"]) > 0))
+    sums: dict[str, float] = {}
+    maxima = {"is_ratio_max": 0.0}
+    optimizer.zero_grad(set_to_none=True)
+    for mb_seqs in rank_micro_batches(seqs, bins, rank, world_size):
+        mb = collate(mb_seqs, device)
+        logprobs, entropy = token_logprobs(
+            model, mb["input_ids"], mb["position_ids"], args.temperature, with_entropy=True
+        )
+        ref = None
+        if ref_model is not None:
+            with torch.no_grad():
+                ref, _ = token_logprobs(ref_model, mb["input_ids"], mb["position_ids"], args.temperature)
+        loss, m = grpo_loss(
+            logprobs, logprobs.detach(), mb["behaviour"], mb["advantages"], mb["loss_mask"],
+            mb["seq_index"], eps_low=args.eps_low, eps_high=args.eps_high, is_cap=args.is_cap,
+            loss_norm=args.loss_norm, total_tokens=max(total_tokens, 1.0),
+            num_sequences=max(num_sequences, 1.0), ref_logprobs=ref, kl_beta=args.kl_beta,
+            entropy=entropy,
+        )  # fmt: skip
+        (loss * world_size).backward()
+        sums["loss"] = sums.get("loss", 0.0) + loss.item()
+        for k, v in m.items():
+            if k == "is_ratio_max":
+                maxima[k] = max(maxima[k], v.item())
+            else:
+                sums[k] = sums.get(k, 0.0) + v.item()
+    sums, maxima = reduce_over_ranks(sums, maxima, world_size, device)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+    grad_norm = getattr(grad_norm, "full_tensor", lambda: grad_norm)()  # FSDP: a replicated DTensor
+    lr = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    ntok = max(sums.get("tokens", 0.0), 1.0)
+    return {
+        "train/loss": sums["loss"],
+        "train/clip_low_frac": sums["clip_low"] / ntok,
+        "train/clip_high_frac": sums["clip_high"] / ntok,
+        "train/is_ratio_mean": sums["is_ratio"] / ntok,
+        "train/is_ratio_max": maxima["is_ratio_max"],
+        "train/is_capped_frac": sums["is_capped"] / ntok,
+        "train/mismatch_kl": sums["mismatch_kl"] / ntok,
+        "train/entropy": sums["entropy"] / ntok,
+        "train/kl_ref": sums.get("kl_ref", 0.0) / ntok,
+        "train/grad_norm": grad_norm.item(),
+        "train/lr": lr,
+        "train/loss_tokens": sums.get("tokens", 0.0),
+        "train/micro_batches": float(len(bins)),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# RANKS: torchrun → FSDP2; rank 0 broadcasts each batch, every rank trains on its share of it
+# ---------------------------------------------------------------------------------------------------
+def init_distributed(first_gpu: int, timeout_s: float) -> tuple[int, int, torch.device]:
+    """(rank, world_size, device). Under torchrun (WORLD_SIZE > 1) joins the default group: nccl on GPU,
+    gloo on CPU. Rank r trains on GPU first_gpu + r (launched servers take GPUs 0..first_gpu−1).
+    `timeout_s` bounds every collective, so it must cover rank 0's longest lone stretch (server
+    start-up, a batch wait, an evaluation) during which the other ranks wait for its broadcast."""
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device(f"cuda:{first_gpu + local_rank}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size > 1:
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
+        )
+    return rank, world_size, device
+
+
+def shard_model(model) -> None:
+    """FSDP2: each decoder layer is a unit (its weights gathered for its forward, freed after), the
+    root holds the rest (embeddings, final norm, lm_head). Parameter names are unchanged, and each
+    parameter becomes a DTensor sharded on dim 0 over the ranks."""
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+
+
+def broadcast_message(message, world_size: int):
+    """Rank 0's `message` (plain Python: lists, dicts, numbers) on every rank, pickled."""
+    if world_size == 1:
+        return message
+    box = [message]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def rank_micro_batches(
+    seqs: list[dict], bins: list[list[int]], rank: int, world_size: int
+) -> list[list[dict]]:
+    """This rank's micro-batches: bins[rank::world_size], padded to the same count on every rank (FSDP
+    runs collectives in every forward and backward) with a copy of the last bin whose loss mask is all
+    zero: it contributes zero loss and zero gradient."""
+    mine = [[seqs[i] for i in b] for b in bins[rank::world_size]]
+    filler = [{**seqs[i], "mask": [0] * len(seqs[i]["mask"])} for i in bins[-1]]
+    return mine + [filler] * (-(-len(bins) // world_size) - len(mine))
+
+
+def reduce_over_ranks(sums: dict[str, float], maxima: dict[str, float], world_size: int, device):
+    """Sums and maxima of per-rank metrics (same keys on every rank)."""
+    if world_size == 1:
+        return sums, maxima
+    for d, op in ((sums, dist.ReduceOp.SUM), (maxima, dist.ReduceOp.MAX)):
+        keys = sorted(d)
+        t = torch.tensor([d[k] for k in keys], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=op)
+        d.update(zip(keys, t.tolist()))
+    return sums, maxima
+
+
+# ---------------------------------------------------------------------------------------------------
 # CHECKPOINTS: temp dir + rename, so a kill -9 leaves either the old or the new one
 # ---------------------------------------------------------------------------------------------------
-def save_checkpoint(out_dir: Path, model, tokenizer, optimizer, scheduler, state: dict) -> Path:
+def save_checkpoint(
+    out_dir: Path, model, tokenizer, optimizer, scheduler, state: dict, rank: int = 0
+) -> Path:
+    """Model in save_pretrained form, optimizer state keyed by parameter name (the same files for any
+    number of ranks). Under FSDP every rank calls this (the full state is gathered to rank 0's CPU) and
+    only rank 0 writes."""
     final = out_dir / "checkpoints" / f"step_{state['step']:06d}"
+    if dist.is_initialized():
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(model, options=opts)  # {} on ranks other than 0
+        optim = get_optimizer_state_dict(model, optimizer, options=opts)
+    else:
+        weights, optim = None, get_optimizer_state_dict(model, optimizer)
+    if rank != 0:
+        return final
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, state_dict=weights)
     tokenizer.save_pretrained(tmp)
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
     torch.save(
-        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng, **state},
+        {"optimizer": optim, "scheduler": scheduler.state_dict(), "rng": rng, **state},
         tmp / "trainer_state.pt",
     )
     if final.exists():  # re-saving the same step (e.g. after a resume that trained nothing)
@@ -533,10 +689,33 @@ def served_model_name(url: str) -> str:
         return json.loads(r.read())["data"][0]["id"]
 
 
-def sync_weights(syncer, model, version: int) -> dict[str, float]:
-    """Push the trainer's weights into every server, tagged with `version` (the one call site)."""
+def sync_weights(syncer, model, version: int, world_size: int = 1) -> dict[str, float]:
+    """Push the trainer's weights into every server, tagged with `version` (the one call site). Rank 0
+    first tells the other ranks to join the gathers of the FSDP shards."""
+    if syncer.rank == 0:
+        broadcast_message({"sync": version}, world_size)
     metrics = syncer.sync(model.named_parameters(), version=version)
     return {k: float(v) for k, v in metrics.items() if k.startswith("sync/")}
+
+
+def follow_rank0(model, ref_model, optimizer, scheduler, tokenizer, args, out_dir, rank, world_size, device):
+    """Ranks other than 0: do what rank 0's messages say (train on a batch, join the gathers of a weight
+    sync or a checkpoint) until it says stop. They never see a server, a queue or a metric."""
+    from weight_sync import WeightSyncer
+
+    syncer = WeightSyncer([], backend="nccl" if device.type == "cuda" else "gloo", rank=rank)  # gathers only
+    while True:
+        message = broadcast_message(None, world_size)
+        if "batch" in message:
+            train_step(
+                model, ref_model, optimizer, scheduler, message["batch"], args, rank, world_size, device
+            )
+        elif "sync" in message:
+            sync_weights(syncer, model, message["sync"])
+        elif "save" in message:
+            save_checkpoint(out_dir, model, tokenizer, optimizer, scheduler, message["save"], rank)
+        else:  # {"stop": True}
+            return
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -556,9 +735,9 @@ def main(argv: list[str] | None = None) -> None:
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     on_gpu = torch.cuda.is_available()
-    device = torch.device(
-        f"cuda:{args.vllm_gpus}" if on_gpu and not args.vllm_url else "cuda" if on_gpu else "cpu"
-    )
+    # Launched servers take GPUs 0..K−1 (K = --vllm-gpus), trainer rank r GPU K + r.
+    first_gpu = 0 if args.vllm_url else args.vllm_gpus
+    rank, world_size, device = init_distributed(first_gpu, args.server_timeout + 3 * args.batch_timeout)
     dtype = torch.bfloat16 if on_gpu else torch.float32
 
     env = load_env(args.env)
@@ -578,10 +757,15 @@ def main(argv: list[str] | None = None) -> None:
     model.train()
     if on_gpu:
         model.gradient_checkpointing_enable()
+    loaded_checksum = param_checksum(model.named_parameters()) if ckpt is not None else None
     ref_model = None
     if args.kl_beta > 0:
         ref_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
         ref_model.requires_grad_(False)
+    if world_size > 1:
+        shard_model(model)
+        if ref_model is not None:
+            shard_model(ref_model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, args.warmup_steps, args.max_steps, args.lr_schedule)
@@ -589,7 +773,13 @@ def main(argv: list[str] | None = None) -> None:
     step, version, position = 0, 0, 0
     if ckpt is not None:
         state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
+        if world_size > 1:  # rank 0's copy, scattered into the shards
+            set_optimizer_state_dict(
+                model, optimizer, state["optimizer"] if rank == 0 else {},
+                options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+            )  # fmt: skip
+        else:
+            set_optimizer_state_dict(model, optimizer, state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
@@ -598,17 +788,32 @@ def main(argv: list[str] | None = None) -> None:
         step, version, position = state["step"], state["model_version"], state["dataset_position"]
         print(
             f"resumed from {ckpt} at step {step}, model version {version}, dataset position {position} "
-            f"(param checksum {param_checksum(model.named_parameters())!r})",
+            f"(param checksum {loaded_checksum!r})",
             flush=True,
         )
 
     servers, syncer, worker, tracker, bar = [], None, None, NoTracker(), None
     stop_flag = {"stop": False}
     signal.signal(signal.SIGTERM, lambda *_: stop_flag.update(stop=True))
+    if world_size > 1:
+        # Ctrl-C and SIGTERM stop rank 0 between two steps, never inside a collective; it then tells
+        # the other ranks, which ignore both signals (torchrun SIGKILLs them if rank 0 dies).
+        signal.signal(signal.SIGINT, lambda *_: stop_flag.update(stop=True))
+    if rank != 0:
+        follow_rank0(
+            model, ref_model, optimizer, scheduler, tokenizer, args, out_dir, rank, world_size, device
+        )
+        dist.destroy_process_group()
+        return
     last_saved = step
     metrics_file = open(out_dir / "metrics.jsonl", "a")
     completions_file = open(out_dir / "completions.jsonl", "a")
     state = lambda: {"step": step, "model_version": version, "dataset_position": position, "args": vars(args)}  # noqa: E731
+
+    def save() -> Path:  # the other ranks join the gathers of the full state
+        broadcast_message({"save": state()}, world_size)
+        return save_checkpoint(out_dir, model, tokenizer, optimizer, scheduler, state())
+
     try:
         # -------------------------------------------------------------------------------------------
         # START ROLLOUTS: servers, weight sync group, the worker thread
@@ -633,7 +838,7 @@ def main(argv: list[str] | None = None) -> None:
         syncer = WeightSyncer(urls, backend="nccl" if on_gpu else "gloo")
         syncer.init()
         if ckpt is not None:  # the servers hold the base model: give them the checkpoint's weights
-            sync_weights(syncer, model, version)
+            sync_weights(syncer, model, version, world_size)
         client = VLLMClient(urls, model_name, request_timeout_s=args.batch_timeout)
         worker = AsyncRolloutWorker(
             client, template, make_episode, row_stream(rows, args.seed, position),
@@ -657,45 +862,11 @@ def main(argv: list[str] | None = None) -> None:
             )
             position = max([position] + [g.row["_index"] + 1 for g in taken])
 
-            # Forward/backward over packed micro-batches; the loss denominators are batch-wide.
+            # Every rank gets the batch and trains on its share of it (train_step).
             t_train = time.monotonic()
             seqs = batch_sequences(groups)
-            bins = pack(seqs, args.micro_batch_tokens)
-            total_tokens = float(sum(sum(s["mask"]) for s in seqs))
-            num_sequences = float(sum(1 for s in seqs if sum(s["mask"]) > 0))
-            sums: dict[str, float] = {}
-            is_max, n_train_tokens = 0.0, 0
-            optimizer.zero_grad(set_to_none=True)
-            for idx in bins:
-                mb = collate([seqs[i] for i in idx], device)
-                n_train_tokens += mb["input_ids"].shape[1]
-                logprobs, entropy = token_logprobs(
-                    model, mb["input_ids"], mb["position_ids"], args.temperature, with_entropy=True
-                )
-                ref = None
-                if ref_model is not None:
-                    with torch.no_grad():
-                        ref, _ = token_logprobs(
-                            ref_model, mb["input_ids"], mb["position_ids"], args.temperature
-                        )
-                loss, m = grpo_loss(
-                    logprobs, logprobs.detach(), mb["behaviour"], mb["advantages"], mb["loss_mask"],
-                    mb["seq_index"], eps_low=args.eps_low, eps_high=args.eps_high, is_cap=args.is_cap,
-                    loss_norm=args.loss_norm, total_tokens=max(total_tokens, 1.0),
-                    num_sequences=max(num_sequences, 1.0), ref_logprobs=ref, kl_beta=args.kl_beta,
-                    entropy=entropy,
-                )  # fmt: skip
-                loss.backward()
-                sums["loss"] = sums.get("loss", 0.0) + loss.item()
-                for k, v in m.items():
-                    if k == "is_ratio_max":
-                        is_max = max(is_max, v.item())
-                    else:
-                        sums[k] = sums.get(k, 0.0) + v.item()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
-            lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
+            broadcast_message({"batch": seqs}, world_size)
+            train = train_step(model, ref_model, optimizer, scheduler, seqs, args, rank, world_size, device)
             step += 1
             train_s = time.monotonic() - t_train
 
@@ -703,30 +874,15 @@ def main(argv: list[str] | None = None) -> None:
             sync = {"sync/seconds": 0.0, "sync/mb": 0.0, "sync/mb_per_s": 0.0}
             if step % args.sync_every == 0:
                 version += 1
-                sync.update(sync_weights(syncer, model, version))
+                sync.update(sync_weights(syncer, model, version, world_size))
                 worker.set_version(version)
 
             # Metrics: one dict per step.
             now = time.monotonic()
             step_s, t_last = now - t_last, now
-            ntok = max(sums.get("tokens", 0.0), 1.0)
             metrics = {"step": step, "model_version": version, "dataset_position": position}
             metrics.update(rollout_metrics(groups, dropped, skipped))
-            metrics.update({
-                "train/loss": sums["loss"],
-                "train/clip_low_frac": sums["clip_low"] / ntok,
-                "train/clip_high_frac": sums["clip_high"] / ntok,
-                "train/is_ratio_mean": sums["is_ratio"] / ntok,
-                "train/is_ratio_max": is_max,
-                "train/is_capped_frac": sums["is_capped"] / ntok,
-                "train/mismatch_kl": sums["mismatch_kl"] / ntok,
-                "train/entropy": sums["entropy"] / ntok,
-                "train/kl_ref": sums.get("kl_ref", 0.0) / ntok,
-                "train/grad_norm": grad_norm,
-                "train/lr": lr,
-                "train/loss_tokens": sums.get("tokens", 0.0),
-                "train/micro_batches": float(len(bins)),
-            })  # fmt: skip
+            metrics.update(train)
             metrics.update(sync)
             metrics.update({
                 "perf/step_s": step_s,
@@ -734,7 +890,7 @@ def main(argv: list[str] | None = None) -> None:
                 "perf/idle_frac": wait_s / step_s,
                 "perf/train_s": train_s,
                 "perf/gen_tok_s": metrics["rollout/generated_tokens"] / step_s,
-                "perf/train_tok_s": n_train_tokens / train_s,
+                "perf/train_tok_s": sum(len(s["ids"]) for s in seqs) / train_s,
                 "perf/groups_failed": float(worker.stats.groups_failed),
                 "perf/groups_retried": float(worker.stats.groups_retried),
             })  # fmt: skip
@@ -760,7 +916,7 @@ def main(argv: list[str] | None = None) -> None:
                 train_tok_s=f"{metrics['perf/train_tok_s']:.0f}",
             )  # fmt: skip
             if step % args.save_every == 0:
-                save_checkpoint(out_dir, model, tokenizer, optimizer, scheduler, state())
+                save()
                 last_saved = step
     except KeyboardInterrupt:
         print(f"\ninterrupted at step {step}; saving a final checkpoint", file=sys.stderr, flush=True)
@@ -773,25 +929,12 @@ def main(argv: list[str] | None = None) -> None:
             bar.close()
         if worker is not None:
             worker.stop(timeout_s=10.0)
-            ws, cs = worker.stats, worker.client.stats
-            print(
-                f"rollout counters: groups started {ws.groups_started}, done {ws.groups_done}, retried "
-                f"{ws.groups_retried}, failed {ws.groups_failed}, discarded {ws.groups_discarded}; "
-                f"requests {cs.requests}, retries {cs.retries}",
-                file=sys.stderr, flush=True,
-            )  # fmt: skip
-        # A batch that never came or a failed weight sync strikes between steps, when the model and
-        # optimizer are whole: save, like an interrupted run. An exception mid-step saves nothing.
-        between_steps = exc is None or isinstance(exc, (KeyboardInterrupt, BatchTimeout))
-        if syncer is not None:
-            from weight_sync import WeightSyncError
-
-            between_steps = between_steps or isinstance(exc, WeightSyncError)
-        if between_steps and exc is not None and not isinstance(exc, KeyboardInterrupt):
-            print(f"\nstopping at step {step}: {exc}", file=sys.stderr, flush=True)
+        between_steps = exc is None or isinstance(exc, KeyboardInterrupt)
         if step > last_saved and between_steps:
-            path = save_checkpoint(out_dir, model, tokenizer, optimizer, scheduler, state())
+            path = save()
             print(f"saved {path}", flush=True)
+        if world_size > 1 and between_steps:  # the other ranks wait for a message: release them
+            broadcast_message({"stop": True}, world_size)
         if syncer is not None:
             syncer.close()
         for s in servers:
@@ -799,6 +942,8 @@ def main(argv: list[str] | None = None) -> None:
         tracker.finish()
         metrics_file.close()
         completions_file.close()
+        if world_size > 1:
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -153,6 +153,10 @@ def _kill_group(pgid: int, sig: int) -> None:
         pass
 
 
+TORCHRUN_VARS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT"}  # fmt: skip
+
+
 def start_vllm_server(
     model: str,
     *,
@@ -202,6 +206,9 @@ def start_vllm_server(
         cmd += ["--enforce-eager"]
     cmd += extra_args or []
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
+    # Started by a torchrun rank, the server must not take itself for one (vLLM reads RANK etc.).
+    for k in [k for k in env if k.startswith("TORCHELASTIC_") or k in TORCHRUN_VARS]:
+        del env[k]
     # The worker imports weight_sync by module name: make the repo importable from any cwd.
     repo = str(Path(__file__).resolve().parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [repo, env.get("PYTHONPATH", "")] if p)

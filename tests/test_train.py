@@ -231,3 +231,74 @@ def test_end_to_end_kill_and_resume(tmp_path):
     step3 = [x for x in step3 if x["step"] == 3][-2:]
     assert step3 and all(x["row_index"] >= state["dataset_position"] for x in step3)
     assert (out / "checkpoints" / "step_000003" / "model.safetensors").exists()
+
+
+# ---------------------------------------------------------------------------------------------------
+# RANKS: FSDP2 over gloo gives the one-process gradient; the real script under torchrun
+# ---------------------------------------------------------------------------------------------------
+def _step_args() -> SimpleNamespace:
+    return SimpleNamespace(
+        micro_batch_tokens=24, temperature=0.8, eps_low=0.2, eps_high=0.28, is_cap=2.0, loss_norm="token",
+        kl_beta=0.0, max_grad_norm=1e9,  # no clipping: it would hide a wrong gradient scale
+    )  # fmt: skip
+
+
+def _one_sgd_step(model_dir: Path, seqs: list[dict], rank: int, world_size: int, loss_norm: str) -> tuple:
+    """One train_step with plain SGD (update = −lr · gradient, so the update shows the gradient's scale;
+    AdamW's first step would not). Returns (metrics, full weights) on rank 0."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if world_size > 1:
+        T.shard_model(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    args = _step_args()
+    args.loss_norm = loss_norm
+    cpu = torch.device("cpu")
+    metrics = T.train_step(model, None, optimizer, scheduler, seqs, args, rank, world_size, cpu)
+    if world_size == 1:
+        return metrics, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return metrics, get_model_state_dict(model, options=opts)
+
+
+def _fsdp_rank(rank: int, world_size: int, port: int, model_dir: Path, seqs: list[dict], out: Path) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))  # fmt: skip
+    assert T.init_distributed(0, 120)[:2] == (rank, world_size)
+    results = {norm: _one_sgd_step(model_dir, seqs, rank, world_size, norm) for norm in ("token", "sequence")}
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+def test_two_fsdp_ranks_take_the_one_process_step(tmp_path, tiny_model):
+    """Five sequences in three micro-batches: rank 1 also runs a masked filler micro-batch. The summed
+    loss, the gradient norm and the updated weights must equal one process's."""
+    import torch.multiprocessing as mp
+
+    from vllm_server import free_port
+
+    gen = torch.Generator().manual_seed(1)
+    seqs = [_seq(p, c, gen) for p, c in [(5, 9), (3, 4), (7, 12), (4, 6), (6, 3)]]
+    for k, s in enumerate(seqs):
+        s["advantage"] = [1.0, -0.5, 0.7, -1.2, 0.3][k]
+        s["behaviour"] = [-2.0 - 0.1 * j if m else 0.0 for j, m in enumerate(s["mask"])]
+    assert len(T.pack(seqs, _step_args().micro_batch_tokens)) == 3
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_fsdp_rank, args=(2, free_port(), tiny_model, seqs, out), nprocs=2, join=True)
+    two = torch.load(out, weights_only=False)
+    for norm in ("token", "sequence"):
+        metrics, weights = _one_sgd_step(tiny_model, seqs, 0, 1, norm)
+        m2, w2 = two[norm]
+        for k in ["train/loss", "train/grad_norm", "train/loss_tokens", "train/entropy", "train/lr"]:
+            assert m2[k] == pytest.approx(metrics[k], rel=1e-5), (norm, k)
+        assert metrics["train/grad_norm"] > 0
+        assert w2.keys() == weights.keys()
+        for k in weights:
+            torch.testing.assert_close(w2[k], weights[k], atol=1e-6, rtol=1e-5, msg=f"{norm} {k}")
