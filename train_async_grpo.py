@@ -56,8 +56,9 @@ Choices a reader should know before the code (see loss.py for the loss's own dep
     rows lost, none trained twice). The rollout worker starts at the resumed version.
     metrics.jsonl is appended to, so steps a killed run logged after its last checkpoint appear twice;
     scripts/plot_metrics.py keeps the last line per step.
-  - Shutdown (end, Ctrl-C, SIGTERM, exception): stop the rollout worker → final checkpoint (not after
-    an exception) → release the weight-sync group → stop the servers. Launched servers' process groups
+  - Shutdown (end, Ctrl-C, SIGTERM, exception): stop the rollout worker → final checkpoint (also after a
+    batch timeout or a failed weight sync, which strike between steps; not after an exception mid-step)
+    → release the weight-sync group → stop the servers. Launched servers' process groups
     are in <output_dir>/vllm-logs/servers.json for cleanup after a kill -9.
 """
 
@@ -929,7 +930,22 @@ def main(argv: list[str] | None = None) -> None:
             bar.close()
         if worker is not None:
             worker.stop(timeout_s=10.0)
-        between_steps = exc is None or isinstance(exc, KeyboardInterrupt)
+            ws, cs = worker.stats, worker.client.stats
+            print(
+                f"rollout counters: groups started {ws.groups_started}, done {ws.groups_done}, retried "
+                f"{ws.groups_retried}, failed {ws.groups_failed}, discarded {ws.groups_discarded}; "
+                f"requests {cs.requests}, retries {cs.retries}",
+                file=sys.stderr, flush=True,
+            )  # fmt: skip
+        # A batch that never came or a failed weight sync strikes between steps, when the model and
+        # optimizer are whole: save, like an interrupted run. An exception mid-step saves nothing.
+        between_steps = exc is None or isinstance(exc, (KeyboardInterrupt, BatchTimeout))
+        if syncer is not None:
+            from weight_sync import WeightSyncError
+
+            between_steps = between_steps or isinstance(exc, WeightSyncError)
+        if between_steps and exc is not None and not isinstance(exc, KeyboardInterrupt):
+            print(f"\nstopping at step {step}: {exc}", file=sys.stderr, flush=True)
         if step > last_saved and between_steps:
             path = save()
             print(f"saved {path}", flush=True)
