@@ -838,7 +838,9 @@ def main(argv: list[str] | None = None) -> None:
 
         syncer = WeightSyncer(urls, backend="nccl" if on_gpu else "gloo")
         syncer.init()
-        if ckpt is not None:  # the servers hold the base model: give them the checkpoint's weights
+        # Launched servers hold the base model; a checkpoint's weights must be pushed, and servers given
+        # by --vllm-url may hold anything (e.g. the last weights of an earlier run): push ours.
+        if ckpt is not None or args.vllm_url:
             sync_weights(syncer, model, version, world_size)
         client = VLLMClient(urls, model_name, request_timeout_s=args.batch_timeout)
         worker = AsyncRolloutWorker(
