@@ -50,8 +50,13 @@ faults: install tiny-model
 demo: install tiny-model
 	@echo "the demo lands with the trainer (issue 9); for now: make serve"
 
+# Every figure is a ratio of two things measured in the same run (the machine may be shared); all of them
+# land in bench/results.json, one key per figure with its command and settings. ~15 min on 2 CPU cores.
 bench: install tiny-model
-	$(PY) bench/bench_weight_sync.py
+	$(PY) bench/bench_async.py --out bench/results.json
+	$(PY) bench/bench_rollout.py --out bench/results.json
+	$(PY) bench/bench_weight_sync.py --widen 8 --out bench/results.json
+	$(PY) bench/bench_sandbox.py --out bench/results.json
 
 serve: install tiny-model
 	$(PY) vllm_server.py --model models/tiny

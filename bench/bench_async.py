@@ -43,7 +43,8 @@ def run_trainer(url: str, staleness: int, out_dir: Path, args) -> dict:
     t0 = time.monotonic()
     subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL)
     process_s = time.monotonic() - t0
-    steps = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    steps = [m for m in map(json.loads, lines) if "perf/step_s" in m]  # not eval-only lines
     steady = steps[args.skip :]
     return {
         "loop_s": round(sum(s["perf/step_s"] for s in steps), 1),

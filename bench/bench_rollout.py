@@ -12,15 +12,18 @@ import argparse
 import asyncio
 import itertools
 import json
+import sys
 import time
 from pathlib import Path
 
 import aiohttp
 from transformers import AutoTokenizer
 
-from envs import load_env
-from rollout import AsyncRolloutWorker, ChatTemplate, VLLMClient
-from vllm_server import start_vllm_server
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file from anywhere
+from bench.results import merge_results  # noqa: E402
+from envs import load_env  # noqa: E402
+from rollout import AsyncRolloutWorker, ChatTemplate, VLLMClient  # noqa: E402
+from vllm_server import start_vllm_server  # noqa: E402
 
 
 async def bare_loop(
@@ -108,10 +111,7 @@ def main() -> None:
     }
     print(json.dumps(results, indent=2))
     if args.out:
-        path = Path(args.out)
-        merged = json.loads(path.read_text()) if path.exists() else {}
-        merged.update(results)
-        path.write_text(json.dumps(merged, indent=2) + "\n")
+        merge_results(args.out, results)
 
 
 if __name__ == "__main__":

@@ -1,36 +1,103 @@
-"""Sandbox latency: p50 and p99 wall time of `print(1)` over N sequential calls.
+"""Sandbox latency and throughput, beside a bare `python -I` subprocess doing the same work.
 
-.venv/bin/python bench/bench_sandbox.py --n 50
+    python bench/bench_sandbox.py [--n 40] [--cap 8] [--out bench/results.json]
+
+1. p50/p99 wall time of `print(1)` and of `import numpy`, sequential calls, alternating with a bare
+   `python -I -c CODE` subprocess (no isolation, no fresh directory), so the ratio is the sandbox's cost
+   over the interpreter's own start-up, the floor.
+2. calls/s of `print(1)` through one `Sandbox(max_concurrency=cap)` (the trainer's --sandbox-workers),
+   beside the same number of bare subprocesses at the same concurrency.
+Prints one JSON object; with --out it is merged into that results file.
 """
 
 import argparse
 import asyncio
+import json
 import statistics
 import sys
+import time
+from pathlib import Path
 
-sys.path.insert(0, ".")
-from envs.sandbox import isolation_mode, run_python  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file from anywhere
+from bench.results import merge_results  # noqa: E402
+from envs.sandbox import Sandbox, isolation_mode, run_python  # noqa: E402
 
 
-async def bench(n: int) -> list[float]:
-    times = []
-    for _ in range(n):
-        r = await run_python("print(1)", timeout_s=10)
-        assert r.output == "1\n", r
-        times.append(r.duration_s)
-    return times
+async def bare_python(code: str) -> float:
+    t0 = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-I", "-c", code, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
+    await proc.communicate()
+    assert proc.returncode == 0
+    return time.monotonic() - t0
+
+
+async def sandboxed(code: str) -> float:
+    r = await run_python(code, timeout_s=30)
+    assert r.exit_code == 0, r
+    return r.duration_s
+
+
+def p50_p99(times: list[float]) -> tuple[float, float]:
+    t = sorted(times)
+    return statistics.median(t), t[min(len(t) - 1, int(0.99 * len(t)))]
+
+
+async def latency(code: str, n: int) -> dict:
+    ours, bare = [], []
+    for _ in range(n):  # alternate, so drift in a shared machine hits both alike
+        ours.append(await sandboxed(code))
+        bare.append(await bare_python(code))
+    (p50, p99), (b50, b99) = p50_p99(ours), p50_p99(bare)
+    return {
+        "p50_ms": round(p50 * 1000), "p99_ms": round(p99 * 1000),
+        "bare_p50_ms": round(b50 * 1000), "bare_p99_ms": round(b99 * 1000),
+        "p50_over_bare": round(p50 / b50, 2),
+    }  # fmt: skip
+
+
+async def calls_per_s(n: int, cap: int) -> tuple[float, float]:
+    sandbox = Sandbox(max_concurrency=cap)
+    t0 = time.monotonic()
+    results = await asyncio.gather(*(sandbox.run("print(1)", timeout_s=30) for _ in range(n)))
+    ours = n / (time.monotonic() - t0)
+    assert all(r.output == "1\n" for r in results)
+    sem = asyncio.Semaphore(cap)
+
+    async def one():
+        async with sem:
+            await bare_python("print(1)")
+
+    t0 = time.monotonic()
+    await asyncio.gather(*(one() for _ in range(n)))
+    return ours, n / (time.monotonic() - t0)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--n", type=int, default=50, help="number of calls")
-    args = parser.parse_args()
-    t = sorted(asyncio.run(bench(args.n)))
-    p99 = t[min(len(t) - 1, int(0.99 * len(t)))]
-    print(
-        f"sandbox print(1) [{isolation_mode()}]: n={args.n} p50={statistics.median(t) * 1000:.0f} ms "
-        f"p99={p99 * 1000:.0f} ms max={t[-1] * 1000:.0f} ms"
-    )
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=40, help="calls per latency measurement")
+    p.add_argument("--cap", type=int, default=8, help="concurrency cap (the trainer's --sandbox-workers)")
+    p.add_argument("--out", default=None, help="JSON results file to merge into")
+    args = p.parse_args()
+    asyncio.run(latency("print(1)", 2))  # warm-up: isolation probe, page cache
+    ours, bare = asyncio.run(calls_per_s(4 * args.n, args.cap))
+    command = "python bench/bench_sandbox.py " + " ".join(sys.argv[1:])
+    result = {
+        "sandbox": {
+            "print1": asyncio.run(latency("print(1)", args.n)),
+            "numpy_import": asyncio.run(latency("import numpy", args.n)),
+            "calls_per_s_at_cap": round(ours, 1),
+            "bare_calls_per_s_at_cap": round(bare, 1),
+            "calls_per_s_over_bare": round(ours / bare, 2),
+            "settings": f"isolation {isolation_mode()}, {args.n} sequential calls per latency, "
+            f"{4 * args.n} print(1) calls at concurrency {args.cap}",
+            "command": command,
+        }
+    }
+    print(json.dumps(result, indent=2))
+    if args.out:
+        merge_results(args.out, result)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file from anywhere
+from bench.results import merge_results  # noqa: E402
 from vllm_server import start_vllm_server  # noqa: E402
 from weight_sync import WeightSyncer, bench_raw_gloo_broadcast  # noqa: E402
 
@@ -70,7 +71,7 @@ def main() -> None:
     send_s = statistics.median(r["sync/send_seconds"] for r in runs)
     raw_s = bench_raw_gloo_broadcast(int(mb * 1e6))
     result = {
-        "weight_sync": {
+        ("weight_sync" if args.widen == 1 else f"weight_sync_widen{args.widen}"): {
             "model": args.model,
             "widen": args.widen,
             "mb": round(mb, 2),
@@ -80,13 +81,13 @@ def main() -> None:
             "raw_gloo_seconds": round(raw_s, 4),
             "raw_gloo_mb_per_s": round(mb / raw_s, 1),
             "sync_over_raw": round(sync_s / raw_s, 1),
+            "settings": f"median of {args.syncs} syncs, gloo, one local server",
+            "command": "python bench/bench_weight_sync.py " + " ".join(sys.argv[1:]),
         }
     }
     print(json.dumps(result, indent=1))
     if args.out:
-        path = Path(args.out)
-        merged = json.loads(path.read_text()) if path.exists() else {}
-        path.write_text(json.dumps(merged | result, indent=1) + "\n")
+        merge_results(args.out, result)
 
 
 if __name__ == "__main__":
