@@ -57,6 +57,7 @@ bench: install tiny-model
 	$(PY) bench/bench_rollout.py --out bench/results.json
 	$(PY) bench/bench_weight_sync.py --widen 8 --out bench/results.json
 	$(PY) bench/bench_sandbox.py --out bench/results.json
+	$(PY) bench/table.py bench/results.json  # the README's table
 
 serve: install tiny-model
 	$(PY) vllm_server.py --model models/tiny
