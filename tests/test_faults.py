@@ -1,0 +1,318 @@
+"""Fault injection on the real pipeline (models/tiny-warm, which calls the tool): the cases the module
+tests do not cover. `make faults` runs this file alone. Each case and its outcome is in README.md's
+"Fault tolerance" table. One server of our own (`own_server`) serves every case in file order; the last
+case kills it and restarts it on the same port, so keep that one last among its users."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from transformers import AutoTokenizer
+
+import train_async_grpo as T
+from envs import load_env
+from envs.data import load_rows
+from rollout import AsyncRolloutWorker, ChatTemplate, VLLMClient
+from vllm_server import free_port, group_pids, start_vllm_server
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = REPO / "models" / "tiny-warm"
+START_TIMEOUT = float(os.environ.get("VLLM_START_TIMEOUT", 600))
+
+
+def trainer_cmd(out: Path, max_steps: int, *extra: str) -> list[str]:
+    # --keep-zero-variance: the tiny model's rewards are mostly all equal; without it batches rarely come.
+    return [
+        sys.executable, str(REPO / "train_async_grpo.py"), "--model", str(MODEL), "--env", "retool",
+        "--output-dir", str(out), "--max-steps", str(max_steps), "--prompts-per-step", "2",
+        "--num-generations", "4", "--max-context", "512", "--max-turns", "2", "--save-every", "1000",
+        "--keep-zero-variance", "--lr", "1e-3", "--log-completions-every", "1", "--sandbox-workers", "2",
+        "--batch-timeout", "300", *extra,
+    ]  # fmt: skip
+
+
+def steps_logged(out: Path) -> list[int]:
+    path = out / "metrics.jsonl"
+    return [json.loads(x)["step"] for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for(cond, proc, log: Path, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert proc.poll() is None, f"trainer exited before {what}:\n" + log.read_text()[-4000:]
+        assert time.monotonic() < deadline, f"no {what} after {timeout_s:.0f} s:\n" + log.read_text()[-4000:]
+        time.sleep(0.2)
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (children, grandchildren, ...), from /proc's ppid fields."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            found.add(c)
+            todo.append(c)
+    return found
+
+
+def alive(pids: set[int]) -> set[int]:
+    live = set()
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    live.add(p)
+        except OSError:
+            pass
+    return live
+
+
+@pytest.fixture(scope="module")
+def own_server(tmp_path_factory):
+    """A server this file may kill: on a fixed port, so the restart case can come back on it."""
+    log_dir = tmp_path_factory.mktemp("faults-vllm")
+    port = free_port()
+    box = {"server": start_vllm_server(str(MODEL), port=port, log_dir=log_dir, timeout_s=START_TIMEOUT)}
+    box.update(port=port, log_dir=log_dir)
+    yield box
+    box["server"].stop()
+
+
+# ---------------------------------------------------------------------------------------------------
+# CASE 3 (sandbox part): a sandbox run dies with the process that started it, even by SIGKILL
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_sandbox_dies_with_a_killed_parent():
+    code = "import time; time.sleep(300)"  # sleeping burns no CPU: RLIMIT_CPU would never fire
+    parent = subprocess.Popen(
+        [sys.executable, "-c", f"import asyncio; from envs.sandbox import run_python; "
+         f"asyncio.run(run_python({code!r}, timeout_s=300))"],
+        cwd=REPO,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while len(descendants(parent.pid)) < 3:  # unshare → namespace init shell → python
+        assert time.monotonic() < deadline and parent.poll() is None, "the sandbox did not start"
+        time.sleep(0.1)
+    time.sleep(0.5)
+    tree = descendants(parent.pid)
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 5
+    while alive(tree) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(tree), f"sandbox processes outlived their killed parent: {alive(tree)}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# CASE 6: a bad dataset row fails before anything starts
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.timeout(180)
+def test_bad_dataset_row_fails_before_anything_starts(tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"question": "1+1?", "answer": "2"}\n{"question": "2+2?"}\n')
+    out = tmp_path / "run"
+    r = subprocess.run(
+        trainer_cmd(out, 1, "--dataset", str(data)), cwd=REPO, capture_output=True, text=True, timeout=170
+    )
+    assert r.returncode != 0
+    assert "row 1: no answer" in r.stderr, r.stderr[-2000:]
+    assert not (out / "vllm-logs").exists()  # no server was launched
+
+
+# ---------------------------------------------------------------------------------------------------
+# CASES 5 and 6 on the worker: a trainer that stops reading; a reward function that raises
+# ---------------------------------------------------------------------------------------------------
+def _worker(server, make_episode, **kw) -> AsyncRolloutWorker:
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    env = load_env("retool")
+    rows = iter(load_rows(str(REPO / "data" / "retool_train.jsonl")) * 10)
+    template = ChatTemplate(tokenizer, tools=env.make_episode(next(rows)).tools)
+    client = VLLMClient([server.url], str(MODEL), request_timeout_s=120)
+    return AsyncRolloutWorker(
+        client, template, make_episode or env.make_episode, rows, num_generations=4, max_turns=2,
+        max_context=512, **kw,
+    )  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_queue_full_for_a_long_time_stays_bounded(own_server):
+    worker = _worker(own_server["server"], None, groups_per_version=2, max_staleness=1)
+    bound = worker.queue.maxsize  # 2 groups per version × (1 + max_staleness)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 240
+        while worker.queue.qsize() < bound:  # the trainer reads nothing
+            assert time.monotonic() < deadline and worker.alive, worker.stats
+            time.sleep(0.2)
+        t_full = time.monotonic()
+        while time.monotonic() - t_full < 10:  # full for a long while: nothing more is started
+            assert worker.queue.qsize() <= bound and worker.stats.groups_started <= bound
+            time.sleep(0.2)
+        assert worker.stats.groups_started == bound and worker.alive
+        # The trainer comes back: everything queued is there, and new versions admit new groups.
+        got = [worker.queue.get(timeout=1) for _ in range(bound)]
+        worker.set_version(1)
+        got.append(worker.queue.get(timeout=120))
+        assert worker.stats.groups_started == bound + 2
+        for g in got:
+            for c in g.completions:
+                assert len(c.completion_ids) == len(c.behaviour_logprobs) == len(c.loss_mask)
+    finally:
+        t0 = time.monotonic()
+        worker.stop(timeout_s=5)
+        assert time.monotonic() - t0 < 6 and not worker.alive
+
+
+@pytest.mark.timeout(300)
+def test_reward_that_raises_drops_groups_and_names_the_cause(own_server):
+    env = load_env("retool")
+
+    def make_episode(row):
+        ep = env.make_episode(row)
+
+        def reward(messages, tool_calls):
+            raise ZeroDivisionError("reward boom")
+
+        ep.reward = reward
+        return ep
+
+    worker = _worker(own_server["server"], make_episode, groups_per_version=2, group_retries=1)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 240
+        while worker.stats.groups_failed < 2:
+            assert time.monotonic() < deadline and worker.alive, worker.stats
+            time.sleep(0.2)
+        args = SimpleNamespace(batch_timeout=1.0, max_staleness=1, keep_zero_variance=True)
+        with pytest.raises(T.BatchTimeout) as e:
+            T.collect_groups(worker, 2, 0, args, [own_server["server"].url], {"stop": False})
+    finally:
+        worker.stop(timeout_s=5)
+    assert worker.stats.groups_retried >= 2 and worker.stats.groups_done == 0
+    assert "most groups failed" in str(e.value) and "ZeroDivisionError: reward boom" in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------------
+# CASE 4: Ctrl-C at any point: everything stops in < 10 s with a final checkpoint
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("delay_s", [0.0, 1.5])
+def test_sigint_stops_fast_with_a_checkpoint(own_server, tmp_path, delay_s):
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    url = own_server["server"].url
+    with open(log, "w") as f:
+        proc = subprocess.Popen(trainer_cmd(out, 50, "--vllm-url", url), cwd=REPO, stdout=f, stderr=f)
+    try:
+        wait_for(lambda: len(steps_logged(out)) >= 1, proc, log, 300, "step 1")
+        time.sleep(delay_s)  # 0: right after a step, in generation; 1.5 s later: anywhere in the loop
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=30)
+        shutdown_s = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    print(f"SIGINT after {delay_s} s: exit {rc} in {shutdown_s:.1f} s")
+    assert shutdown_s < 10, text[-3000:]
+    assert rc == 0 and "interrupted at step" in text, text[-3000:]
+    step = max(steps_logged(out))
+    assert (out / "checkpoints" / f"step_{step:06d}" / "trainer_state.pt").exists(), text[-3000:]
+    assert T.server_health([url])[url]  # a server we did not start is left running
+
+
+# ---------------------------------------------------------------------------------------------------
+# CASES 1 and 2: the server is killed mid-rollout and restarted on the same port
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_server_killed_mid_rollout_and_restarted(own_server, tmp_path):
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    server = own_server["server"]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(trainer_cmd(out, 100, "--vllm-url", server.url), cwd=REPO, stdout=f, stderr=f)
+    try:
+        wait_for(lambda: len(steps_logged(out)) >= 2, proc, log, 300, "step 2")
+        # Right after a step's line the trainer has synced and is waiting on generation.
+        steps_before = max(steps_logged(out))
+        os.killpg(server.proc.pid, signal.SIGKILL)
+        t_kill, wall_kill = time.monotonic(), time.time()
+        server.stop()
+        own_server["server"] = server = start_vllm_server(
+            str(MODEL), port=own_server["port"], log_dir=own_server["log_dir"], timeout_s=START_TIMEOUT
+        )
+        outage_s = time.monotonic() - t_kill
+        rc = proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    # The worker retries its requests while the server is down, but the trainer's next weight sync meets
+    # the dead server (or, if the batch took longer than the restart, a restarted one without our
+    # weight-sync group) and stops by name, with a checkpoint. Here the queue already held a batch.
+    assert rc != 0 and "stopping at step" in text, text[-4000:]
+    stop_line = next(ln for ln in text.splitlines() if ln.startswith("stopping at step"))
+    counters = next(ln for ln in text.splitlines() if ln.startswith("rollout counters"))
+    step = int(stop_line.split()[3].rstrip(":"))
+    saved = out / "checkpoints" / f"step_{step:06d}" / "trainer_state.pt"
+    stopped_s = saved.stat().st_mtime - wall_kill if saved.exists() else float("nan")
+    print(f"outage {outage_s:.0f} s; checkpoint {stopped_s:.1f} s after the kill; exit {rc}")
+    print(stop_line, counters, sep="\n")
+    assert "weight sync" in stop_line and server.url in stop_line, stop_line
+    assert int(counters.rsplit("retries ", 1)[1]) > 0, counters
+    assert step > steps_before and saved.exists() and stopped_s < 60, (steps_before, stop_line)
+
+    # Recovery: --resume against the restarted server pushes the checkpoint's weights into it first.
+    r = subprocess.run(
+        trainer_cmd(out, step + 1, "--vllm-url", server.url, "--resume"),
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert steps_logged(out)[-1] == step + 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# CASE 3: kill -9 of the trainer leaves no server or sandbox process behind
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sigkill_of_the_trainer_leaves_no_orphans(tmp_path):
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            trainer_cmd(out, 100, "--server-timeout", str(START_TIMEOUT)), cwd=REPO, stdout=f, stderr=f
+        )
+    try:
+        wait_for(lambda: len(steps_logged(out)) >= 1, proc, log, 800, "step 1")
+        tree = descendants(proc.pid)  # the server's group, its watchdog, any live sandbox run
+        proc.kill()
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    pgids = [s["pgid"] for s in json.loads((out / "vllm-logs" / "servers.json").read_text())]
+    deadline = time.monotonic() + 15
+    while (alive(tree) or any(group_pids(g) for g in pgids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = alive(tree) | {p for g in pgids for p in group_pids(g)}
+    for p in left:  # don't leave them to the next test either
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not left, f"processes outlived the killed trainer: {left}"
+    assert len(tree) >= 2  # it did start a server (and its watchdog)
