@@ -49,7 +49,8 @@ Choices a reader should know before the code (see loss.py for the loss's own dep
   - train/mismatch_kl is k3 KL(μ ‖ π_old) over the whole batch; all micro-batches are before the update.
   - Accuracy = share of completions with reward ≥ 1 (the envs give exactly 1.0 for a correct answer).
   - Evaluation (`--eval-every`) is greedy (temperature 0) on the held-out split through the same servers
-    and the same tool loop, while training rollouts keep running.
+    and the same tool loop, while training rollouts keep running; also at the start (a step-0 line in
+    metrics.jsonl with only eval/ keys, before rollouts begin; not on resume) and at the last step.
   - Resume: rows are shuffled with the seed (a new permutation each epoch) and read as one endless
     stream; the checkpoint stores the stream position just after the last row whose group the trainer
     took off the queue. Rows still in flight at that moment and before it are not revisited (a few
@@ -143,7 +144,8 @@ parser.add_argument("--sync-every", type=int, default=1, help="push weights to v
 parser.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (and at the end)")
 parser.add_argument("--resume", nargs="?", const="latest", default=None,
                     help="continue from a checkpoint dir, or (no value) the latest in --output-dir")
-parser.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0 = never)")
+parser.add_argument("--eval-every", type=int, default=0,
+                    help="evaluate at start, every N steps and at the end (0 = never)")
 parser.add_argument("--eval-limit", type=int, default=64, help="held-out rows per evaluation")
 parser.add_argument("--log-completions-every", type=int, default=10, help="write trajectories every N steps")
 parser.add_argument("--report-to", default="none", choices=["none", "tensorboard", "wandb", "trackio"],
@@ -851,6 +853,13 @@ def main(argv: list[str] | None = None) -> None:
             max_concurrent_tools=args.sandbox_workers, scale_rewards=not args.no_scale_rewards,
             start_version=version,
         )  # fmt: skip
+        if args.eval_every and step == 0:  # the starting point, before any rollout competes for the server
+            t_eval = time.monotonic()
+            start = asyncio.run(evaluate(urls, model_name, template, make_episode, eval_rows, args))
+            start.update({"step": 0, "model_version": version, "perf/eval_s": time.monotonic() - t_eval})
+            metrics_file.write(json.dumps(start) + "\n")
+            metrics_file.flush()
+            print(f"eval at start: {json.dumps(start)}", flush=True)
         worker.start()
         tracker = make_tracker(args.report_to, out_dir, vars(args))
 
@@ -897,7 +906,7 @@ def main(argv: list[str] | None = None) -> None:
                 "perf/groups_failed": float(worker.stats.groups_failed),
                 "perf/groups_retried": float(worker.stats.groups_retried),
             })  # fmt: skip
-            if args.eval_every and step % args.eval_every == 0:
+            if args.eval_every and (step % args.eval_every == 0 or step == args.max_steps):
                 t_eval = time.monotonic()
                 metrics.update(
                     asyncio.run(evaluate(urls, model_name, template, make_episode, eval_rows, args))

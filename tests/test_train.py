@@ -187,6 +187,8 @@ def test_end_to_end_kill_and_resume(tmp_path):
             pass
 
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["step"] == 0 and "eval/accuracy" in lines[0]  # the eval at start
+    lines = lines[1:]
     assert [m["step"] for m in lines[:2]] == [1, 2]
     required = [
         "rollout/reward_mean", "rollout/reward_std", "rollout/reward_min", "rollout/reward_max",
