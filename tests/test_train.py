@@ -304,3 +304,34 @@ def test_two_fsdp_ranks_take_the_one_process_step(tmp_path, tiny_model):
         assert w2.keys() == weights.keys()
         for k in weights:
             torch.testing.assert_close(w2[k], weights[k], atol=1e-6, rtol=1e-5, msg=f"{norm} {k}")
+
+
+@pytest.mark.slow
+def test_two_ranks_under_torchrun(tmp_path):
+    """The real script on 2 CPU ranks (FSDP2 over gloo) with its own server: it finishes, logs every step,
+    syncs every step, stops its server, and checkpoints weights that both ranks trained. FSDP2 gives
+    rank r the r-th half of each parameter's rows and no rank holds a whole copy, so "the ranks agree"
+    means: each half moved (weight decay moves every weight each step) and the gathered checkpoint
+    is a loadable model."""
+    from vllm_server import group_pids
+
+    out = tmp_path / "run"
+    cmd = _cmd(out, 3, "--micro-batch-tokens", "256")
+    cmd[1:2] = ["-m", "torch.distributed.run", "--nproc-per-node", "2", cmd[1]]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in lines if "train/loss" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3] and steps[-1]["model_version"] == 3
+    assert all(m["sync/seconds"] > 0 for m in steps)
+    for server in json.loads((out / "vllm-logs" / "servers.json").read_text()):
+        assert group_pids(server["pgid"]) == []
+    ckpt = out / "checkpoints" / "step_000003"
+    AutoModelForCausalLM.from_pretrained(ckpt)
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 3 and "model.embed_tokens.weight" in state["optimizer"]["state"]
+    start, trained = load_file(_model() / "model.safetensors"), load_file(ckpt / "model.safetensors")
+    assert start.keys() == trained.keys()
+    for k, w in trained.items():
+        half = w.shape[0] // 2
+        assert not torch.equal(w[:half], start[k][:half]) and not torch.equal(w[half:], start[k][half:]), k
