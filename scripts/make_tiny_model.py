@@ -4,7 +4,7 @@
     python scripts/make_tiny_model.py --out models/tiny-tied --tie # same, tied embeddings
     python scripts/make_tiny_model.py --warm-from models/tiny --tool-fraction 1.0 \
         --out models/tiny-warm                                      # calls the tool (2-5 min on CPU)
-    python scripts/make_tiny_model.py --warm-from models/tiny --tool-fraction 0.15 \
+    python scripts/make_tiny_model.py --warm-from models/tiny-warm --tool-fraction 0.15 \
         --out models/tiny-demo                                      # knows the format, rarely calls
 
 The model is a Qwen2 causal LM (hidden 128, 2 layers, head_dim 64 — vLLM's CPU attention rejects 16)

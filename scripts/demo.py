@@ -1,0 +1,153 @@
+"""The demo: GRPO with a code interpreter teaches the tiny model to use the tool; without it, nothing.
+
+    make demo                      # set-up (venv, tiny models) and then this script
+    python scripts/demo.py         # this script alone, once the models exist
+    python scripts/demo.py --retool-steps 4 --math-steps 2 --eval-limit 8   # a quick smoke run
+
+Two runs of the real trainer (train_async_grpo.py, as subprocesses, each launching its own vLLM server:
+weight sync changes a server's weights, so the runs cannot share one), both from the warm start
+models/tiny-demo, which knows the tool-call format but rarely uses it:
+  1. --env retool: the code_interpreter tool is offered;
+  2. --env math:   the same problems, no tool.
+Each evaluates greedily on held-out problems at the start, every --eval-every steps and at the end. Then
+a summary table (accuracy and tool-call rate, before → after), docs/demo_summary.json, and one figure per
+run (reward, held-out accuracy, tool calls per completion, staleness over steps) in docs/.
+"""
+
+import argparse
+import json
+import math
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+# fmt: off
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--model", default="models/tiny-demo", help="warm start for both runs")
+parser.add_argument("--runs-dir", default="runs/demo", help="the two runs' output dirs go here (replaced)")
+parser.add_argument("--docs-dir", default="docs", help="figures and demo_summary.json go here")
+parser.add_argument("--retool-steps", type=int, default=15, help="GRPO steps of the run with the tool")
+parser.add_argument("--math-steps", type=int, default=6, help="GRPO steps of the run without the tool")
+parser.add_argument("--eval-every", type=int, default=5, help="held-out eval every N steps (and start, end)")
+parser.add_argument("--eval-limit", type=int, default=50, help="held-out problems per eval")
+parser.add_argument("--seed", type=int, default=0, help="trainer seed")
+# The trainer's settings, the same for both runs (see train_async_grpo.py --help).
+TRAIN_ARGS = [
+    "--prompts-per-step", "4",    # groups per optimizer step
+    "--num-generations", "8",     # G: enough spread in a group for a GRPO signal
+    "--lr", "3e-3",               # a 385K-parameter model takes large steps
+    "--max-staleness", "1",       # rollouts of version v−1 still train step v: the async point
+    "--max-context", "640",       # prompt ≈ 360 tokens with the tool schema; one tool round + answer fit
+    "--max-turns", "2",           # tool call, then the answer
+    "--temperature", "1.0",
+    "--sandbox-workers", "4",
+    "--save-every", "1000",       # only the final checkpoint
+]
+# fmt: on
+
+
+def run(env: str, steps: int, out: Path, args) -> float:
+    """One training run as a subprocess; returns its wall time in seconds."""
+    shutil.rmtree(out, ignore_errors=True)  # metrics.jsonl is appended to: start clean
+    cmd = [
+        sys.executable, str(REPO / "train_async_grpo.py"), "--model", args.model, "--env", env,
+        "--output-dir", str(out), "--max-steps", str(steps), "--eval-every", str(args.eval_every),
+        "--eval-limit", str(args.eval_limit), "--seed", str(args.seed), *TRAIN_ARGS,
+    ]  # fmt: skip
+    print(f"\n=== {env}: {' '.join(cmd[1:])}", flush=True)
+    t0 = time.monotonic()
+    subprocess.run(cmd, cwd=REPO, check=True)
+    return time.monotonic() - t0
+
+
+def load_metrics(path: Path) -> list[dict]:
+    """One dict per step (the last line wins for a repeated step), sorted by step."""
+    by_step = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            m = json.loads(line)
+            by_step[m["step"]] = m
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def summarize(lines: list[dict], wall_s: float) -> dict:
+    evals = [m for m in lines if "eval/accuracy" in m]
+    train = [m for m in lines if "train/loss" in m]
+    return {
+        "steps": train[-1]["step"] if train else 0,
+        "wall_s": round(wall_s, 1),
+        "train_s": round(sum(m["perf/step_s"] for m in train), 1),
+        "accuracy_before": evals[0]["eval/accuracy"],
+        "accuracy_after": evals[-1]["eval/accuracy"],
+        "tool_call_rate_before": evals[0]["eval/tool_call_rate"],
+        "tool_call_rate_after": evals[-1]["eval/tool_call_rate"],
+        "eval_steps": [m["step"] for m in evals],
+        "eval_accuracy": [m["eval/accuracy"] for m in evals],
+        "eval_tool_call_rate": [m["eval/tool_call_rate"] for m in evals],
+    }
+
+
+def plot(lines: list[dict], title: str, path: Path) -> None:
+    """Four panels over steps: training reward, held-out accuracy (and tool-call rate), tool calls per
+    training completion, staleness."""
+    series = lambda key: [(m["step"], m[key]) for m in lines if key in m and math.isfinite(m[key])]  # noqa: E731
+    panels = [
+        ("training reward (mean)", ["rollout/reward_mean", "rollout/accuracy"]),
+        ("held-out, greedy", ["eval/accuracy", "eval/tool_call_rate"]),
+        ("tool calls per completion", ["rollout/tool_calls_per_completion"]),
+        ("staleness (versions)", ["rollout/staleness_mean", "rollout/staleness_max"]),
+    ]
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.2))
+    for ax, (name, keys) in zip(axes, panels):
+        for k in keys:
+            pts = series(k)
+            if pts:
+                ax.plot(*zip(*pts), marker=".", label=k.split("/")[1])
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=7)
+        if len(keys) > 1:
+            ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parser.parse_args(argv)
+    runs_dir, docs_dir = REPO / args.runs_dir, REPO / args.docs_dir
+    docs_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    summary = {"model": args.model, "eval_limit": args.eval_limit, "train_args": TRAIN_ARGS, "runs": {}}
+    for env, steps in [("retool", args.retool_steps), ("math", args.math_steps)]:
+        wall_s = run(env, steps, runs_dir / env, args)
+        lines = load_metrics(runs_dir / env / "metrics.jsonl")
+        summary["runs"][env] = summarize(lines, wall_s)
+        tool = "with" if env == "retool" else "without"
+        plot(lines, f"--env {env} ({tool} the code interpreter), {args.model}", docs_dir / f"demo_{env}.png")
+    summary["wall_s"] = round(time.monotonic() - t0, 1)
+    (docs_dir / "demo_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+    # SUMMARY TABLE
+    print(f"\nheld-out accuracy and tool-call rate, greedy, {args.eval_limit} problems (before → after)")
+    print(f"{'run':<8} {'steps':>5} {'train s':>8} {'accuracy':>15} {'tool-call rate':>15}")
+    for env, r in summary["runs"].items():
+        acc = f"{r['accuracy_before']:.0%} → {r['accuracy_after']:.0%}"
+        tool = f"{r['tool_call_rate_before']:.0%} → {r['tool_call_rate_after']:.0%}"
+        print(f"{env:<8} {r['steps']:>5} {r['train_s']:>8.0f} {acc:>15} {tool:>15}")
+    print(f"total {summary['wall_s']:.0f} s; figures and demo_summary.json in {docs_dir}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
