@@ -44,6 +44,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 
@@ -344,10 +345,14 @@ def _signal_name(n: int) -> str:
 
 
 class Sandbox:
-    """Caps how many runs are live at once (share one per trainer); each run is independent."""
+    """Caps how many runs are live at once (share one per trainer); each run is independent.
+
+    The cap is a thread semaphore polled from async code, not an asyncio.Semaphore: the rollout worker's
+    loop and the trainer's eval loop share one Sandbox from two threads, and an asyncio primitive binds
+    to the first loop that waits on it (the other loop's tool calls then raised under contention)."""
 
     def __init__(self, max_concurrency: int = 4):
-        self.semaphore = asyncio.Semaphore(max_concurrency)
+        self._slots = threading.BoundedSemaphore(max_concurrency)
 
     async def run(
         self,
@@ -355,5 +360,9 @@ class Sandbox:
         timeout_s: float = 10.0,
         max_output_bytes: int = MAX_OUTPUT_BYTES,
     ) -> SandboxResult:
-        async with self.semaphore:
+        while not self._slots.acquire(blocking=False):
+            await asyncio.sleep(0.01)  # a run takes ~100 ms: polling costs nothing that matters
+        try:
             return await run_python(code, timeout_s, max_output_bytes)
+        finally:
+            self._slots.release()

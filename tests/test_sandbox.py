@@ -3,6 +3,7 @@
 import asyncio
 import os
 import socket
+import threading
 import time
 
 import pytest
@@ -15,6 +16,11 @@ needs_ns = pytest.mark.skipif(not ISOLATED, reason=f"isolation mode is {isolatio
 
 def run(code: str, timeout_s: float = 3.0, **kw):
     return asyncio.run(run_python(code, timeout_s=timeout_s, **kw))
+
+
+# Run dirs that existed before this module ran (e.g. from a trainer killed by SIGKILL in another test,
+# which leaves nobody to remove them) are not this module's leftovers.
+TEMP_DIRS_BEFORE = {d for d in os.listdir("/tmp") if d.startswith("sandbox-")}
 
 
 def sandbox_processes() -> list[int]:
@@ -173,14 +179,23 @@ def test_background_children_do_not_survive():
     assert sandbox_processes() == [], "a background child survived"
 
 
-def test_concurrency_cap():
+def test_concurrency_cap_across_event_loops():
+    """One Sandbox serves the rollout worker's loop and the trainer's eval loop at once (two threads):
+    the cap holds across both, and neither loop trips over a primitive bound to the other."""
     sandbox = Sandbox(max_concurrency=2)
     code = "import time; s = time.time(); time.sleep(0.5); print(s, time.time())"
 
-    async def many():
-        return await asyncio.gather(*(sandbox.run(code, timeout_s=5) for _ in range(5)))
+    async def many(n):
+        return await asyncio.gather(*(sandbox.run(code, timeout_s=5) for _ in range(n)))
 
-    results = asyncio.run(many())
+    other: list = []
+    thread = threading.Thread(target=lambda: other.extend(asyncio.run(many(3))))
+    thread.start()
+    results = asyncio.run(many(3))
+    thread.join(30)
+    results += other
+    assert len(results) == 6, "a loop's runs failed"
+    assert all(r.exit_code == 0 for r in results), [r.error for r in results]
     spans = [tuple(map(float, r.output.split())) for r in results]
     events = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans])
     live = peak = 0
@@ -193,4 +208,5 @@ def test_concurrency_cap():
 def test_nothing_left_behind():
     time.sleep(0.1)
     assert sandbox_processes() == []
-    assert not [d for d in os.listdir("/tmp") if d.startswith("sandbox-")], "temp dirs left behind"
+    left = {d for d in os.listdir("/tmp") if d.startswith("sandbox-")} - TEMP_DIRS_BEFORE
+    assert not left, f"temp dirs left behind: {left}"
