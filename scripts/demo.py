@@ -35,7 +35,7 @@ parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.R
 parser.add_argument("--model", default="models/tiny-demo", help="warm start for both runs")
 parser.add_argument("--runs-dir", default="runs/demo", help="the two runs' output dirs go here (replaced)")
 parser.add_argument("--docs-dir", default="docs", help="figures and demo_summary.json go here")
-parser.add_argument("--retool-steps", type=int, default=15, help="GRPO steps of the run with the tool")
+parser.add_argument("--retool-steps", type=int, default=20, help="GRPO steps of the run with the tool")
 parser.add_argument("--math-steps", type=int, default=6, help="GRPO steps of the run without the tool")
 parser.add_argument("--eval-every", type=int, default=5, help="held-out eval every N steps (and start, end)")
 parser.add_argument("--eval-limit", type=int, default=50, help="held-out problems per eval")
@@ -64,6 +64,8 @@ def run(env: str, steps: int, out: Path, args) -> float:
         "--output-dir", str(out), "--max-steps", str(steps), "--eval-every", str(args.eval_every),
         "--eval-limit", str(args.eval_limit), "--seed", str(args.seed), *TRAIN_ARGS,
     ]  # fmt: skip
+    if env == "math":  # every group scores 0 without the tool: train on them (zero advantage, no update)
+        cmd.append("--keep-zero-variance")  # rather than skip them all until the batch timeout
     print(f"\n=== {env}: {' '.join(cmd[1:])}", flush=True)
     t0 = time.monotonic()
     rc = subprocess.run(cmd, cwd=REPO).returncode
