@@ -18,9 +18,16 @@ def run(code: str, timeout_s: float = 3.0, **kw):
     return asyncio.run(run_python(code, timeout_s=timeout_s, **kw))
 
 
-# Run dirs that existed before this module ran (e.g. from a trainer killed by SIGKILL in another test,
-# which leaves nobody to remove them) are not this module's leftovers.
-TEMP_DIRS_BEFORE = {d for d in os.listdir("/tmp") if d.startswith("sandbox-")}
+def temp_dirs() -> set[str]:
+    return {d for d in os.listdir("/tmp") if d.startswith("sandbox-")}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def temp_dirs_before() -> set[str]:
+    """Run dirs that exist when this module's tests start (e.g. from a trainer another test killed by
+    SIGKILL, which leaves nobody to remove them) are not this module's leftovers. A fixture, not a
+    module constant: collection happens before any test runs."""
+    return temp_dirs()
 
 
 def sandbox_processes() -> list[int]:
@@ -205,8 +212,8 @@ def test_concurrency_cap_across_event_loops():
     assert peak == 2, f"peak concurrency {peak}"
 
 
-def test_nothing_left_behind():
+def test_nothing_left_behind(temp_dirs_before):
     time.sleep(0.1)
     assert sandbox_processes() == []
-    left = {d for d in os.listdir("/tmp") if d.startswith("sandbox-")} - TEMP_DIRS_BEFORE
+    left = temp_dirs() - temp_dirs_before
     assert not left, f"temp dirs left behind: {left}"
