@@ -5,7 +5,6 @@ model generated was re-tokenized."""
 import asyncio
 import functools
 import queue
-import socket
 import threading
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from rollout import (
     run_tool,
     tool_loop_rollout,
 )
+from vllm_server import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -260,12 +260,6 @@ def test_tool_loop_keeps_arrays_aligned_and_in_budget(
 # ---------------------------------------------------------------------------------------------------
 # fault injection: a local HTTP server of the test's own stands in for vLLM here only
 # ---------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class FakeVLLM:
     """Answers /v1/completions according to `behaviour` (a list consumed per request, last one repeats)."""
 
