@@ -189,10 +189,18 @@ class ClientStats:
     requests: int = 0
     retries: int = 0
     missing_logprobs: int = 0
+    servers_down: int = 0  # times a server was taken out of routing (gone, or aborted our requests)
+    servers_readmitted: int = 0
 
 
 class VLLMClient:
-    """aiohttp client over one or more vLLM servers, routing each request to the least-loaded one."""
+    """aiohttp client over one or more vLLM servers, routing each request to the least-loaded one.
+
+    A server that drops a connection or aborts a request is taken out of routing (`down`); requests go
+    to the others, or wait for one to come back. It comes back when it answers — and, with
+    `expected_version`, only once it reports that weight version (`/weight_info`): a restarted server
+    holds the base weights until the trainer has re-synced it, and must not serve the run before.
+    """
 
     def __init__(
         self,
@@ -202,6 +210,7 @@ class VLLMClient:
         request_timeout_s: float = 120.0,
         max_retries: int = 5,
         backoff_s: float = 0.5,
+        expected_version: Callable[[], object] | None = None,
     ):
         if not urls:
             raise ValueError("VLLMClient needs at least one server URL")
@@ -211,10 +220,14 @@ class VLLMClient:
         self.request_timeout_s = request_timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
+        self.expected_version = expected_version
+        self.down: set[str] = set()
         self.stats = ClientStats()
         self._max_inflight = max_inflight
         self._semaphore: asyncio.Semaphore | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._next_probe: dict[str, float] = {}
+        self._probes: set[asyncio.Task] = set()
 
     async def open(self) -> None:
         # Created inside the loop that uses them.
@@ -222,6 +235,8 @@ class VLLMClient:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self._max_inflight))
 
     async def close(self) -> None:
+        for t in self._probes:
+            t.cancel()
         if self._session is not None:
             await self._session.close()
 
@@ -237,7 +252,7 @@ class VLLMClient:
         }
         async with self._semaphore:
             for attempt in range(self.max_retries + 1):
-                url = min(self.urls, key=self.inflight.__getitem__)
+                url = await self._pick_server()
                 self.inflight[url] += 1
                 self.stats.requests += 1
                 try:
@@ -246,6 +261,12 @@ class VLLMClient:
                     if attempt == self.max_retries:
                         raise GenerationError(f"{url}: gave up after {attempt + 1} attempts: {e}") from e
                     self.stats.retries += 1
+                    if isinstance(e, _ServerGone):  # no backoff: the next server, or wait for one
+                        if url not in self.down:
+                            self.down.add(url)
+                            self.stats.servers_down += 1
+                            logger.warning("vLLM server %s taken out of routing: %s", url, e)
+                        continue
                     # Exponential backoff with jitter, capped so a restarted server is found quickly.
                     await asyncio.sleep(min(8.0, self.backoff_s * 2**attempt) * (0.5 + random.random()))
                     continue
@@ -253,6 +274,46 @@ class VLLMClient:
                     self.inflight[url] -= 1
                 return self._to_generation(url, data)
         raise AssertionError("unreachable")
+
+    async def _pick_server(self) -> str:
+        """The least-loaded server in routing; if none is, wait (probing) up to `request_timeout_s`."""
+        deadline = time.monotonic() + self.request_timeout_s
+        while True:
+            self._probe_down_servers()
+            up = [u for u in self.urls if u not in self.down]
+            if up:
+                return min(up, key=self.inflight.__getitem__)
+            if time.monotonic() > deadline:
+                raise GenerationError(
+                    f"no vLLM server for {self.request_timeout_s:.0f} s: {', '.join(sorted(self.down))} "
+                    "down (not answering, or not yet holding the trainer's weights)"
+                )
+            await asyncio.sleep(0.2)
+
+    def _probe_down_servers(self) -> None:
+        now = time.monotonic()
+        for url in list(self.down):
+            if self._next_probe.get(url, 0.0) <= now:
+                self._next_probe[url] = now + 1.0
+                task = asyncio.get_running_loop().create_task(self._probe(url))
+                self._probes.add(task)
+                task.add_done_callback(self._probes.discard)
+
+    async def _probe(self, url: str) -> None:
+        path = "/health" if self.expected_version is None else "/weight_info"
+        try:
+            async with self._session.get(url + path, timeout=aiohttp.ClientTimeout(total=2)) as r:
+                if r.status != 200:
+                    return
+                if self.expected_version is not None:
+                    if (await r.json())["weight_version"] != str(self.expected_version()):
+                        return
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError):
+            return
+        if url in self.down:
+            self.down.discard(url)
+            self.stats.servers_readmitted += 1
+            logger.warning("vLLM server %s back in routing", url)
 
     async def _post(self, url: str, body: dict) -> dict:
         timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
@@ -263,11 +324,15 @@ class VLLMClient:
                 if r.status != 200:
                     raise GenerationError(f"{url}: HTTP {r.status}: {(await r.text())[:500]}")
                 data = await r.json()
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as e:
+        except TimeoutError as e:  # before ClientConnectionError: aiohttp's timeouts subclass both
+            raise _Retryable(f"{type(e).__name__}: no answer within {self.request_timeout_s:.0f} s") from e
+        except aiohttp.ClientConnectionError as e:
+            raise _ServerGone(f"{type(e).__name__}: {e}") from e
+        except aiohttp.ClientPayloadError as e:
             raise _Retryable(f"{type(e).__name__}: {e}") from e
         choice = data["choices"][0]
-        if choice.get("finish_reason") == "abort":  # the server aborted it (pause in abort mode)
-            raise _Retryable("request aborted by the server")
+        if choice.get("finish_reason") == "abort":  # the server aborted it: a failed weight sync, or shutdown
+            raise _ServerGone("request aborted by the server")
         return choice
 
     def _to_generation(self, url: str, choice: dict) -> Generation:
@@ -282,6 +347,10 @@ class VLLMClient:
 
 class _Retryable(Exception):
     pass
+
+
+class _ServerGone(_Retryable):
+    """The server dropped the connection or aborted the request: take it out of routing."""
 
 
 # ---------------------------------------------------------------------------------------------------

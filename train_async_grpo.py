@@ -260,18 +260,31 @@ def explain_batch_timeout(
     )
 
 
-def collect_groups(worker, num_groups: int, version: int, args, urls: list[str], stop_flag) -> tuple:
-    """Take groups off the queue until `num_groups` usable ones are in hand.
+def collect_groups(
+    worker,
+    num_groups: int,
+    version: int,
+    args,
+    urls: list[str],
+    stop_flag,
+    heal=None,
+    heal_every_s: float = 5.0,
+) -> tuple:
+    """Take groups off the queue until `num_groups` usable ones are in hand; while waiting, call `heal`
+    every `heal_every_s` (a server that went away may be back).
 
     Returns (groups, taken, dropped_stale, skipped_equal, wait_s); `taken` is every group removed from
     the queue (for the dataset position). Staleness = trainer version − version the group was admitted
     at."""
     groups, taken, dropped, skipped = [], [], 0, 0
     t0 = time.monotonic()
-    deadline = t0 + args.batch_timeout
+    deadline, next_heal = t0 + args.batch_timeout, t0 + heal_every_s
     while len(groups) < num_groups:
         if stop_flag["stop"]:
             raise KeyboardInterrupt
+        if heal is not None and time.monotonic() > next_heal:
+            heal()
+            next_heal = time.monotonic() + heal_every_s
         try:
             group = worker.queue.get(timeout=0.5)
         except Exception:  # queue.Empty
@@ -657,9 +670,17 @@ def trajectory_record(group, completion, step: int, tokenizer) -> dict:
     }
 
 
-async def evaluate(urls, model_name, template, make_episode, rows, args) -> dict[str, float]:
+async def evaluate(
+    urls, model_name, template, make_episode, rows, args, expected_version
+) -> dict[str, float]:
     """Greedy (temperature 0) rollouts of held-out rows with the same tool loop as training."""
-    client = VLLMClient(urls, model_name, max_inflight=32, request_timeout_s=args.batch_timeout)
+    client = VLLMClient(
+        urls,
+        model_name,
+        max_inflight=32,
+        request_timeout_s=args.batch_timeout,
+        expected_version=expected_version,
+    )
     await client.open()
     ctx = RolloutContext(
         client=client, template=template, sampling={"temperature": 0.0}, max_turns=args.max_turns,
@@ -692,12 +713,12 @@ def served_model_name(url: str) -> str:
         return json.loads(r.read())["data"][0]["id"]
 
 
-def sync_weights(syncer, model, version: int, world_size: int = 1) -> dict[str, float]:
-    """Push the trainer's weights into every server, tagged with `version` (the one call site). Rank 0
-    first tells the other ranks to join the gathers of the FSDP shards."""
+def sync_weights(syncer, model, version: int, world_size: int = 1, urls: list[str] | None = None) -> dict:
+    """Push the trainer's weights into every joined server (or those of `urls`), tagged with `version`
+    (the one call site). Rank 0 first tells the other ranks to join the gathers of the FSDP shards."""
     if syncer.rank == 0:
         broadcast_message({"sync": version}, world_size)
-    metrics = syncer.sync(model.named_parameters(), version=version)
+    metrics = syncer.sync(model.named_parameters(), version=version, urls=urls)
     return {k: float(v) for k, v in metrics.items() if k.startswith("sync/")}
 
 
@@ -724,6 +745,7 @@ def follow_rank0(model, ref_model, optimizer, scheduler, tokenizer, args, out_di
 def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     check_args(args)
+    from weight_sync import WeightSyncer, WeightSyncError  # imports vLLM: seconds, so not for --help
 
     # -----------------------------------------------------------------------------------------------
     # SETUP
@@ -817,6 +839,40 @@ def main(argv: list[str] | None = None) -> None:
         broadcast_message({"save": state()}, world_size)
         return save_checkpoint(out_dir, model, tokenizer, optimizer, scheduler, state())
 
+    def write_servers_file() -> None:
+        # Process groups of the servers: after a kill -9 of this script their engine processes can
+        # outlive the API server; `kill -9 -PGID` cleans up.
+        (out_dir / "vllm-logs" / "servers.json").write_text(
+            json.dumps([{"url": s.url, "pgid": s.proc.pid} for s in servers])
+        )
+
+    def heal(push: bool = True) -> None:
+        """Bring servers back into the run. Our own that exited are relaunched (same port, base
+        weights). Any server that answers without our weights (restarted, or failed a sync) gets a new
+        transfer group and, unless a sync to all follows at once (`push=False`), the current weights;
+        the client routes to it again once it reports our version. A failure is retried next call."""
+        for s in servers:
+            if not s.alive():
+                print(
+                    f"vLLM server {s.url} exited with code {s.proc.returncode}; relaunching it",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                s.restart()
+                write_servers_file()
+        stale = syncer.out_of_step()
+        if not stale:
+            return
+        try:
+            syncer.join(stale)
+            if push:
+                sync_weights(syncer, model, version, world_size, urls=stale)
+        except WeightSyncError as e:
+            print(f"could not bring {', '.join(stale)} back yet: {e}", file=sys.stderr, flush=True)
+            return
+        what = f"model version {version}" if push else "the next sync"
+        print(f"{', '.join(stale)}: new weight-transfer group, gets {what}", file=sys.stderr, flush=True)
+
     try:
         # -------------------------------------------------------------------------------------------
         # START ROLLOUTS: servers, weight sync group, the worker thread
@@ -832,19 +888,16 @@ def main(argv: list[str] | None = None) -> None:
                 log_dir=out_dir / "vllm-logs", timeout_s=args.server_timeout, max_model_len=args.max_context,
             )  # fmt: skip
             urls, model_name = [s.url for s in servers], str(args.model)
-            # Process groups of the servers: after a kill -9 of this script their engine processes can
-            # outlive the API server; `kill -9 -PGID` cleans up.
-            servers_file = out_dir / "vllm-logs" / "servers.json"
-            servers_file.write_text(json.dumps([{"url": s.url, "pgid": s.proc.pid} for s in servers]))
-        from weight_sync import WeightSyncer
-
+            write_servers_file()
         syncer = WeightSyncer(urls, backend="nccl" if on_gpu else "gloo")
         syncer.init()
-        # Launched servers hold the base model; a checkpoint's weights must be pushed, and servers given
-        # by --vllm-url may hold anything (e.g. the last weights of an earlier run): push ours.
-        if ckpt is not None or args.vllm_url:
-            sync_weights(syncer, model, version, world_size)
-        client = VLLMClient(urls, model_name, request_timeout_s=args.batch_timeout)
+        # Always push ours, even onto launched servers that hold the base model: servers given by
+        # --vllm-url may hold anything, a checkpoint's weights must go in, and the version tag it sets
+        # is how a restarted server (tag "default", base weights) is told apart from one in step.
+        sync_weights(syncer, model, version, world_size)
+        client = VLLMClient(
+            urls, model_name, request_timeout_s=args.batch_timeout, expected_version=lambda: syncer.version
+        )
         worker = AsyncRolloutWorker(
             client, template, make_episode, row_stream(rows, args.seed, position),
             num_generations=args.num_generations, groups_per_version=args.prompts_per_step * args.sync_every,
@@ -855,7 +908,9 @@ def main(argv: list[str] | None = None) -> None:
         )  # fmt: skip
         if args.eval_every and step == 0:  # the starting point, before any rollout competes for the server
             t_eval = time.monotonic()
-            start = asyncio.run(evaluate(urls, model_name, template, make_episode, eval_rows, args))
+            start = asyncio.run(
+                evaluate(urls, model_name, template, make_episode, eval_rows, args, client.expected_version)
+            )
             start.update({"step": 0, "model_version": version, "perf/eval_s": time.monotonic() - t_eval})
             metrics_file.write(json.dumps(start) + "\n")
             metrics_file.flush()
@@ -870,7 +925,7 @@ def main(argv: list[str] | None = None) -> None:
         t_last = time.monotonic()
         while step < args.max_steps:
             groups, taken, dropped, skipped, wait_s = collect_groups(
-                worker, args.prompts_per_step, version, args, urls, stop_flag
+                worker, args.prompts_per_step, version, args, urls, stop_flag, heal
             )
             position = max([position] + [g.row["_index"] + 1 for g in taken])
 
@@ -883,10 +938,17 @@ def main(argv: list[str] | None = None) -> None:
             train_s = time.monotonic() - t_train
 
             # Weight sync every --sync-every steps; the worker admits by the new version.
-            sync = {"sync/seconds": 0.0, "sync/mb": 0.0, "sync/mb_per_s": 0.0}
+            # A server that fails is left out (named on stderr, counted) and brought back by `heal` once
+            # it answers; the run stops only if no batch comes within --batch-timeout.
+            sync = {"sync/seconds": 0.0, "sync/mb": 0.0, "sync/mb_per_s": 0.0, "sync/servers_failed": 0.0}
             if step % args.sync_every == 0:
                 version += 1
-                sync.update(sync_weights(syncer, model, version, world_size))
+                heal(push=False)
+                try:
+                    sync.update(sync_weights(syncer, model, version, world_size))
+                except WeightSyncError as e:
+                    print(f"\nstep {step}: {e}", file=sys.stderr, flush=True)
+                sync["sync/servers_failed"] = float(len(syncer.failed))
                 worker.set_version(version)
 
             # Metrics: one dict per step.
@@ -905,11 +967,17 @@ def main(argv: list[str] | None = None) -> None:
                 "perf/train_tok_s": sum(len(s["ids"]) for s in seqs) / train_s,
                 "perf/groups_failed": float(worker.stats.groups_failed),
                 "perf/groups_retried": float(worker.stats.groups_retried),
+                "perf/servers_down": float(len(worker.client.down)),
             })  # fmt: skip
             if args.eval_every and (step % args.eval_every == 0 or step == args.max_steps):
                 t_eval = time.monotonic()
+                heal()
                 metrics.update(
-                    asyncio.run(evaluate(urls, model_name, template, make_episode, eval_rows, args))
+                    asyncio.run(
+                        evaluate(
+                            urls, model_name, template, make_episode, eval_rows, args, client.expected_version
+                        )
+                    )
                 )
                 metrics["perf/eval_s"] = time.monotonic() - t_eval
                 t_last += metrics["perf/eval_s"]  # eval time is not the next step's
@@ -945,16 +1013,13 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"rollout counters: groups started {ws.groups_started}, done {ws.groups_done}, retried "
                 f"{ws.groups_retried}, failed {ws.groups_failed}, discarded {ws.groups_discarded}; "
+                f"servers taken out {cs.servers_down}, back {cs.servers_readmitted}; "
                 f"requests {cs.requests}, retries {cs.retries}",
                 file=sys.stderr, flush=True,
             )  # fmt: skip
         # A batch that never came or a failed weight sync strikes between steps, when the model and
         # optimizer are whole: save, like an interrupted run. An exception mid-step saves nothing.
         between_steps = exc is None or isinstance(exc, (KeyboardInterrupt, BatchTimeout))
-        if syncer is not None:
-            from weight_sync import WeightSyncError
-
-            between_steps = between_steps or isinstance(exc, WeightSyncError)
         if between_steps and exc is not None and not isinstance(exc, KeyboardInterrupt):
             print(f"\nstopping at step {step}: {exc}", file=sys.stderr, flush=True)
         if step > last_saved and between_steps:

@@ -80,11 +80,23 @@ def _start_watchdog(pgid: int) -> int:
 class VLLMServer:
     """One running vLLM server process (and its engine children, all in one process group)."""
 
-    def __init__(self, proc: subprocess.Popen, url: str, log_path: Path):
-        self.proc = proc
-        self._lifeline = _start_watchdog(proc.pid)
-        self.url = url
-        self.log_path = log_path
+    def __init__(self, cmd: list[str], env: dict[str, str], url: str, log_path: Path):
+        self.cmd, self.env, self.url, self.log_path = cmd, env, url, log_path
+        self._launch()
+
+    def _launch(self) -> None:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
+        self._lifeline = _start_watchdog(self.proc.pid)
+        _live_servers.append(self)
+
+    def restart(self) -> None:
+        """Kill what is left of this server and launch it again, same port and arguments (so the same
+        URL and the same base weights); does not wait for /health. The log is appended to."""
+        self.stop()
+        self._launch()
 
     def log_tail(self, n_chars: int = 4000) -> str:
         try:
@@ -219,10 +231,8 @@ def start_vllm_server(
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         if cpu_threads_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    server = VLLMServer(proc, f"http://127.0.0.1:{port}", log_path)
-    _live_servers.append(server)
+    log_path.unlink(missing_ok=True)
+    server = VLLMServer(cmd, env, f"http://127.0.0.1:{port}", log_path)
     if wait:
         server.wait_healthy(timeout_s)
     return server

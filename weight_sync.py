@@ -3,6 +3,8 @@
     syncer = WeightSyncer([s.url for s in servers], backend="gloo")   # "nccl" on GPU
     syncer.init()                                   # once: the server workers join the trainer
     metrics = syncer.sync(model.named_parameters(), version=step)
+    for url in syncer.out_of_step():                # restarted, or failed a sync: bring it back
+        syncer.join([url]); syncer.sync(model.named_parameters(), version=step, urls=[url])
     syncer.close()
 
 One protocol for both transports: vLLM's own weight-transfer HTTP routes (`VLLM_SERVER_DEV_MODE=1`).
@@ -28,7 +30,9 @@ buckets of up to `bucket_bytes`, cut identically on both sides from that payload
 Never hang: every HTTP call and every collective has a timeout (the NCCL send, which has none, runs
 on a thread we stop waiting for). A server that fails (dead, erroring, silent) is dropped from the
 rest of the sync; the others complete it and are resumed; then `WeightSyncError` names each failed
-server and its phase, so the run can stop cleanly. The syncer carries on with the survivors if asked.
+server and its phase. The syncer carries on with the survivors; a failed server comes back through
+`out_of_step` → `join` → `sync(..., urls=...)` once it answers again (restarted or not): the servers'
+weight-version tag (`/weight_info`, "default" on a fresh server) tells which ones hold our weights.
 
 Departures from vLLM's own trainer engine (`NCCLTrainerWeightTransferEngine`): several independent
 servers (one gloo group each), pause/resume and the version bump done here, timeouts on everything, and on
@@ -319,6 +323,9 @@ class WeightSyncer:
     one copy per peer either way). nccl: one group over all servers, as vLLM's own trainer engine does
     (NCCL relays through its ring/tree), so a failure there fails the sync for every server.
 
+    A server that fails a sync leaves its group; once it answers again (restarted, or alive all along)
+    `out_of_step` names it, `join([url])` gives it a new group and `sync(..., urls=[url])` the weights.
+
     `rank` is the trainer rank under FSDP: only rank 0 talks to the servers and broadcasts; the other
     ranks call `sync` too, so the `full_tensor()` gathers (collectives) stay in step.
     """
@@ -336,7 +343,7 @@ class WeightSyncer:
         rank: int = 0,
     ):
         assert backend in ("gloo", "nccl"), backend
-        self.urls = [u.rstrip("/") for u in urls]
+        self.urls = [u.rstrip("/") for u in urls]  # every server of the run, in step or not
         self.backend = backend
         self.master_address = master_address  # an address of this host the servers can reach
         self.http_timeout_s = http_timeout_s  # pause/start/finish/version/resume, each call
@@ -344,19 +351,28 @@ class WeightSyncer:
         self.bucket_bytes = bucket_bytes
         self.send_dtype = send_dtype  # e.g. torch.bfloat16 halves the bytes for a bf16 server
         self.rank = rank
-        self.version: int | None = None
+        self.version: int | None = None  # of the trainer's weights at the last sync
         self.groups: dict[str, object] = {}  # url -> gloo ProcessGroup; nccl: every url -> one communicator
+        self.failed: dict[str, str] = {}  # url -> why its last sync failed (out of step until re-synced)
         self.stores: list = []  # TCPStores must outlive their groups
 
     def init(self) -> None:
-        """Ask every server to join while the trainer joins as rank 0 (both sides block until the
-        group is complete, so the HTTP calls run on threads). Raises naming any server that fails."""
+        """Form the transfer group(s) with every server. Raises naming any server that fails."""
+        self.join(self.urls)
+
+    def join(self, urls: list[str]) -> None:
+        """Ask the servers `urls` to join while the trainer joins as rank 0 (both sides block until the
+        group is complete, so the HTTP calls run on threads). A server already joined gets a new group
+        (the old one may be out of step). nccl has one group for all: it is re-formed with every server."""
         if self.rank != 0:
             return
         from vllm_server import free_port
 
+        if self.backend == "nccl":
+            urls = self.urls
         sizes = {}
-        for u in self.urls:
+        for u in urls:
+            self.groups.pop(u, None)
             try:
                 with urllib.request.urlopen(u + "/get_world_size", timeout=self.http_timeout_s) as r:
                     sizes[u] = int(json.loads(r.read())["world_size"])
@@ -364,32 +380,47 @@ class WeightSyncer:
                 raise WeightSyncError(f"init: {u} did not answer /get_world_size: {e}") from e
         if self.backend == "nccl":
             port, world = free_port(), 1 + sum(sizes.values())
-            offsets = [1 + sum(sizes[v] for v in self.urls[:i]) for i in range(len(self.urls))]
+            offsets = [1 + sum(sizes[v] for v in urls[:i]) for i in range(len(urls))]
             bodies = [{"init_info": self._worker_init_info(port, off, world)} for off in offsets]
-            joins = [(self.urls, port, world)]
+            joins = [(urls, port, world)]
         else:
-            ports = [free_port() for _ in self.urls]
-            bodies = [
-                {"init_info": self._worker_init_info(p, 1, 1 + sizes[u])} for u, p in zip(self.urls, ports)
-            ]
-            joins = [([u], p, 1 + sizes[u]) for u, p in zip(self.urls, ports)]
-        pool = ThreadPoolExecutor(max_workers=len(self.urls))
+            ports = [free_port() for _ in urls]
+            bodies = [{"init_info": self._worker_init_info(p, 1, 1 + sizes[u])} for u, p in zip(urls, ports)]
+            joins = [([u], p, 1 + sizes[u]) for u, p in zip(urls, ports)]
+        pool = ThreadPoolExecutor(max_workers=len(urls))
         futures = [pool.submit(_post, u, "/init_weight_transfer_engine", b, self.transfer_timeout_s)
-                   for u, b in zip(self.urls, bodies)]  # fmt: skip
+                   for u, b in zip(urls, bodies)]  # fmt: skip
         pool.shutdown(wait=False)
+        joined = {}
         try:
-            for urls, port, world in joins:
+            for members, port, world in joins:
                 group = self._join(port, world)
-                self.groups.update({u: group for u in urls})
+                joined.update({u: group for u in members})
         except Exception as e:
-            errors = _collect(self.urls, futures, 5)  # a server's own error explains more than our timeout
+            errors = _collect(urls, futures, 5)  # a server's own error explains more than our timeout
             detail = "; ".join(f"{u}: {m}" for u, m in errors.items()) or "no server reported an error"
             raise WeightSyncError(
                 f"init: the trainer could not form the {self.backend} group(s): {e} ({detail})"
             ) from e
-        errors = _collect(self.urls, futures, self.transfer_timeout_s)
+        errors = _collect(urls, futures, self.transfer_timeout_s)
         if errors:
             raise WeightSyncError("init failed: " + "; ".join(f"{u}: {m}" for u, m in errors.items()))
+        self.groups.update(joined)
+
+    def out_of_step(self) -> list[str]:
+        """Servers that answer but may not hold the trainer's weights: restarted (a new server reports
+        weight version "default" and has no group), or failed their last sync. Dead ones are left out:
+        there is nothing to do for them until they answer."""
+        stale = []
+        for u in self.urls:
+            try:
+                with urllib.request.urlopen(u + "/weight_info", timeout=2) as r:
+                    tag = json.loads(r.read())["weight_version"]
+            except Exception:  # noqa: BLE001 - not answering (yet)
+                continue
+            if u not in self.groups or u in self.failed or tag != str(self.version):
+                stale.append(u)
+        return stale
 
     def _worker_init_info(self, port: int, rank_offset: int, world_size: int) -> dict:
         info = dict(
@@ -414,28 +445,38 @@ class WeightSyncer:
         self.stores.append(store)
         return group
 
-    def sync(self, named_params: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
+    def sync(
+        self, named_params: Iterable[tuple[str, torch.Tensor]], version: int, urls: list[str] | None = None
+    ) -> dict:
         """Load `named_params` (HF names, as `load_weights` expects; DTensors are gathered one at a
-        time) into every server and tag them with `version`; returns sync/ metrics.
+        time) into every joined server (or those of `urls`) and tag them with `version`; returns sync/
+        metrics.
 
         A server that fails (dead, erroring, or silent past its timeout) is dropped from the rest of
-        the sync and from this syncer; the others finish the sync and are resumed; then
-        `WeightSyncError` names each failed server and the phase it failed in.
+        the sync and leaves its group; the others finish the sync and are resumed; a failed server
+        that still answers has its in-flight requests aborted (they ran on half-loaded weights) and
+        stays paused until it is re-synced; then `WeightSyncError` names each failed server and the
+        phase it failed in.
         """
         params = list(named_params)  # references only: nothing is gathered yet
         if self.rank != 0:
             for _, p in params:  # stay in step with rank 0's gathers
                 _materialize(p)
             return {}
-        if not self.groups:
-            raise WeightSyncError("sync: no server to sync (init() not called, or every server has failed)")
+        targets = [u for u in (urls or self.urls) if u in self.groups]
+        if not targets:
+            raise WeightSyncError(
+                f"sync to version {version}: no server to sync (init() not called, or no server is joined: "
+                + (", ".join(f"{u} failed in {m}" for u, m in self.failed.items()) or "none failed")
+                + ")"
+            )
         dtypes = [self.send_dtype or p.dtype for _, p in params]
         update_info = {
             "names": [n for n, _ in params],
             "dtype_names": [str(d).removeprefix("torch.") for d in dtypes],
             "shapes": [list(p.shape) for _, p in params],
         }
-        ok = list(self.urls)  # servers still in this sync
+        ok = list(targets)  # servers still in this sync
         failed: dict[str, str] = {}
 
         def drop(errors: dict[str, str], phase: str) -> None:
@@ -468,14 +509,17 @@ class WeightSyncer:
         phase("/update_weight_version", {"new_version": str(version)})
         phase("/resume")
         seconds = time.perf_counter() - t0
+        self.version = version  # what the trainer's weights are now, whoever received them
+        for u in ok:
+            self.failed.pop(u, None)
         if failed:
-            for u in failed:  # never used again: its group is out of step or gone
-                self.urls.remove(u)
+            for u, m in failed.items():  # its group is out of step or gone: a new one on rejoin
                 self.groups.pop(u, None)
-            for u in failed:  # a live server that failed part-way is still paused
+                self.failed[u] = m
+            for u in failed:
                 if _alive(u):
                     try:
-                        _post(u, "/resume", None, self.http_timeout_s)
+                        _post(u, "/pause?mode=abort", None, self.http_timeout_s)
                     except Exception:  # noqa: BLE001 - the sync error below is the one that matters
                         pass
             dead = [u for u in failed if not _alive(u)]
@@ -484,7 +528,6 @@ class WeightSyncer:
                 f"(not responding: {dead or 'none'}); the other {len(ok)} got the new weights, resumed: "
                 + "; ".join(f"{u} in {m}" for u, m in failed.items())
             )
-        self.version = version
         mb = num_bytes / 1e6
         return {
             "sync/seconds": seconds,

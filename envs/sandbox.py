@@ -5,7 +5,8 @@
     result.output  # '1267650600228229401496703205376\n'
 
 Stateless per call: every call gets a fresh `python -I` process, a fresh temporary directory as cwd
-(removed afterwards) and a fresh environment; nothing a call does (files, variables, imports, background
+(removed afterwards; if the process that made it was SIGKILLed, by the next process's first run) and
+a fresh environment; nothing a call does (files, variables, imports, background
 processes) is visible to the next call. The only state is the semaphore in `Sandbox` that caps how many
 runs are live.
 
@@ -36,6 +37,7 @@ processes, so it is set to the current count plus a margin, which bounds a fork 
 import asyncio
 import ctypes
 import functools
+import glob
 import os
 import random
 import resource
@@ -258,7 +260,8 @@ async def run_python(
     mode = isolation_mode()
     uid = random.SystemRandom().randint(*UID_RANGE)  # OS entropy: immune to random.seed()
     start = time.monotonic()
-    workdir = tempfile.mkdtemp(prefix="sandbox-")
+    remove_run_dirs_of_dead_processes()
+    workdir = tempfile.mkdtemp(prefix=f"sandbox-{os.getpid()}-")
     env = {
         "PATH": "/usr/local/bin:/usr/bin:/bin",
         "HOME": workdir,
@@ -335,6 +338,23 @@ async def run_python(
         duration_s=time.monotonic() - start,
         error=error,
     )
+
+
+@functools.cache
+def remove_run_dirs_of_dead_processes() -> None:
+    """Each run removes its own dir, but a SIGKILLed trainer leaves those of its live runs (the runs
+    die with it, by PR_SET_PDEATHSIG; nobody is left to clean up). Run dirs are named after the pid of
+    the process that made them, and the first run of every process removes those of dead pids."""
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), "sandbox-*-*")):
+        owner = os.path.basename(path).split("-")[1]
+        if not owner.isdigit():
+            continue
+        try:
+            os.kill(int(owner), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:  # alive, someone else's
+            pass
 
 
 def _signal_name(n: int) -> str:

@@ -22,8 +22,21 @@ def one_token(logp: float, old: float, beh: float, adv: float, **kw):
     return loss.item(), lp.grad.item(), m
 
 
-def reference(lp, old, beh, adv, mask, seq, ref=None, beta=0.0, norm="token", denom=None,
-              eps_low=0.2, eps_high=0.28, cap=2.0):
+def reference(
+    lp,
+    old,
+    beh,
+    adv,
+    mask,
+    seq,
+    ref=None,
+    beta=0.0,
+    norm="token",
+    denom=None,
+    eps_low=0.2,
+    eps_high=0.28,
+    cap=2.0,
+):
     """Plain loop over tokens, written from the formula, no vectorization."""
     per_seq: dict[int, list] = {}
     total = 0.0
@@ -47,6 +60,7 @@ def reference(lp, old, beh, adv, mask, seq, ref=None, beta=0.0, norm="token", de
 
 # ---- group_advantages -------------------------------------------------------------------------
 
+
 def test_advantages_population_std():
     adv = group_advantages([0.0, 1.0, 1.0, 0.0])  # mean 0.5, population std 0.5
     assert torch.allclose(adv, torch.tensor([-1.0, 1.0, 1.0, -1.0]), atol=1e-5)
@@ -65,6 +79,7 @@ def test_advantages_equal_rewards_are_zero(rewards):
 
 
 # ---- grpo_loss: one token per branch -----------------------------------------------------------
+
 
 def test_unclipped():
     loss, grad, m = one_token(math.log(1.1), 0.0, 0.0, 1.0)  # r = 1.1 inside [0.8, 1.28], w = 1
@@ -123,8 +138,9 @@ def test_is_capped():
 def test_kl_to_reference():
     # logp = 0, ref = log 2, beta = 0.1, A = 0: k3 = 2 - log 2 - 1, d k3 / d logp = 1 - 2 = -1
     lp = t(0.0).requires_grad_()
-    loss, m = grpo_loss(lp, t(0), t(0), t(0), t(1), torch.tensor([0]), ref_logprobs=t(math.log(2)),
-                        kl_beta=0.1)
+    loss, m = grpo_loss(
+        lp, t(0), t(0), t(0), t(1), torch.tensor([0]), ref_logprobs=t(math.log(2)), kl_beta=0.1
+    )
     loss.backward()
     assert loss.item() == pytest.approx(0.1 * (1 - math.log(2)))
     assert lp.grad.item() == pytest.approx(-0.1)
@@ -134,8 +150,9 @@ def test_kl_to_reference():
 def test_masked_tokens_contribute_nothing():
     # token 1 is a tool token with wild values; the loss must equal token 0 alone
     lp = t(math.log(1.1), 5.0).requires_grad_()
-    loss, m = grpo_loss(lp, t(0, -5), t(0, -30), t(1, 100), t(1, 0), torch.tensor([0, 0]),
-                        entropy=t(0.5, 9.0))
+    loss, m = grpo_loss(
+        lp, t(0, -5), t(0, -30), t(1, 100), t(1, 0), torch.tensor([0, 0]), entropy=t(0.5, 9.0)
+    )
     loss.backward()
     assert loss.item() == pytest.approx(-1.1)
     assert lp.grad.tolist() == pytest.approx([-1.1, 0.0])
@@ -145,10 +162,17 @@ def test_masked_tokens_contribute_nothing():
 
 # ---- normalization ----------------------------------------------------------------------------
 
+
 def test_token_vs_sequence_normalization():
     # seq 0: one token, A = 2; seq 1: three tokens, A = -1; r = w = 1 so each token's loss is -A
-    args = (t(0, 0, 0, 0), t(0, 0, 0, 0), t(0, 0, 0, 0), t(2, -1, -1, -1), t(1, 1, 1, 1),
-            torch.tensor([0, 1, 1, 1]))
+    args = (
+        t(0, 0, 0, 0),
+        t(0, 0, 0, 0),
+        t(0, 0, 0, 0),
+        t(2, -1, -1, -1),
+        t(1, 1, 1, 1),
+        torch.tensor([0, 1, 1, 1]),
+    )
     token, _ = grpo_loss(*args, loss_norm="token")
     seq, _ = grpo_loss(*args, loss_norm="sequence")
     assert token.item() == pytest.approx((-2 + 3) / 4)  # 0.25
@@ -172,8 +196,10 @@ def test_gradient_accumulation_matches_full_batch():
         full, _ = grpo_loss(full_lp, old, beh, adv, mask, seq, loss_norm=norm, **kw)
         full.backward()
         acc_lp = lp.clone().requires_grad_()
-        acc = sum(grpo_loss(acc_lp[s], old[s], beh[s], adv[s], mask[s], seq[s] - seq[s][0],
-                            loss_norm=norm, **kw)[0] for s in (slice(0, 3), slice(3, 7)))
+        acc = sum(
+            grpo_loss(acc_lp[s], old[s], beh[s], adv[s], mask[s], seq[s] - seq[s][0], loss_norm=norm, **kw)[0]
+            for s in (slice(0, 3), slice(3, 7))
+        )
         acc.backward()
         assert acc.item() == pytest.approx(full.item())
         assert torch.allclose(acc_lp.grad, full_lp.grad)
@@ -181,13 +207,15 @@ def test_gradient_accumulation_matches_full_batch():
 
 # ---- against the plain loop -------------------------------------------------------------------
 
+
 def check_against_reference(lens, lp, old, beh, adv_seq, mask, ref, beta, norm, denom):
     seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
     adv = torch.tensor(adv_seq, dtype=torch.float64)[seq]
     lp_v = torch.tensor(lp, dtype=torch.float64, requires_grad=True)
     kw = {"total_tokens": denom} if norm == "token" else {"num_sequences": denom}
-    loss, _ = grpo_loss(lp_v, t(*old), t(*beh), adv, t(*mask), seq, loss_norm=norm,
-                        ref_logprobs=t(*ref), kl_beta=beta, **kw)
+    loss, _ = grpo_loss(
+        lp_v, t(*old), t(*beh), adv, t(*mask), seq, loss_norm=norm, ref_logprobs=t(*ref), kl_beta=beta, **kw
+    )
     loss.backward()
     lp_r = [torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in lp]
     expected = reference(lp_r, old, beh, adv.tolist(), mask, seq.tolist(), ref, beta, norm, denom)

@@ -266,6 +266,7 @@ class FakeVLLM:
     def __init__(self, behaviour: list[str], port: int | None = None):
         self.behaviour, self.port, self.requests = list(behaviour), port or free_port(), 0
         self.url = f"http://127.0.0.1:{self.port}"
+        self.weight_version = "default"  # what /weight_info reports, as a fresh vLLM server does
 
     async def handle(self, request):
         self.requests += 1
@@ -281,9 +282,17 @@ class FakeVLLM:
         choice["logprobs"] = None if what == "nologprobs" else {"token_logprobs": [-1.0] * n}
         return aiohttp.web.json_response({"choices": [choice]})
 
+    async def health(self, request):
+        return aiohttp.web.Response()
+
+    async def weight_info(self, request):
+        return aiohttp.web.json_response({"weight_version": self.weight_version})
+
     async def start(self):
         app = aiohttp.web.Application()
         app.router.add_post("/v1/completions", self.handle)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/weight_info", self.weight_info)
         self.runner = aiohttp.web.AppRunner(app, shutdown_timeout=0.1)
         await self.runner.setup()
         await aiohttp.web.TCPSite(self.runner, "127.0.0.1", self.port).start()
@@ -330,6 +339,42 @@ def test_connection_refused_then_success():
 
     client, gen = asyncio.run(go())
     assert client.stats.retries >= 1 and len(gen.ids) == 3
+
+
+def test_server_back_with_other_weights_is_not_used_until_it_reports_our_version():
+    """A server that dropped out and came back is routed to only once /weight_info says it holds the
+    trainer's version: a restarted vLLM holds the base weights until the trainer re-syncs it."""
+
+    async def go():
+        fake = FakeVLLM(["ok"])
+        client = VLLMClient([fake.url], "m", backoff_s=0.01, expected_version=lambda: 3)
+        await client.open()
+        request = asyncio.create_task(client.generate([1, 2, 3], 8, {}))
+        await asyncio.sleep(0.5)  # refused: the server is taken out of routing, the request waits
+        await fake.start()  # back, but with "default" weights
+        await asyncio.sleep(2.5)  # several probes
+        served_before_sync = fake.requests
+        waiting = not request.done()
+        fake.weight_version = "3"  # the trainer has re-synced it
+        gen = await asyncio.wait_for(request, 10)
+        await client.close()
+        await fake.stop()
+        return client, fake, gen, served_before_sync, waiting
+
+    client, fake, gen, served_before_sync, waiting = asyncio.run(go())
+    assert waiting and served_before_sync == 0 and fake.requests == 1 and len(gen.ids) == 3
+    assert client.stats.servers_down == 1 and client.stats.servers_readmitted == 1 and not client.down
+
+
+def test_no_server_back_in_time_is_a_clear_error():
+    async def go():
+        client = VLLMClient([f"http://127.0.0.1:{free_port()}"], "m", request_timeout_s=1.0)
+        with pytest.raises(GenerationError, match="no vLLM server for 1 s"):
+            await generate_once(client)
+
+    t0 = time.monotonic()
+    asyncio.run(go())
+    assert time.monotonic() - t0 < 5
 
 
 def test_hanging_server_times_out_with_a_clear_error():

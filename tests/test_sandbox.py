@@ -217,3 +217,23 @@ def test_nothing_left_behind(temp_dirs_before):
     assert sandbox_processes() == []
     left = temp_dirs() - temp_dirs_before
     assert not left, f"temp dirs left behind: {left}"
+
+
+def test_run_dirs_of_a_killed_process_are_removed_by_the_next_process():
+    import subprocess
+    import sys
+    import tempfile
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid is now free: a SIGKILLed trainer's run dir looks like this one
+    orphan = tempfile.mkdtemp(prefix=f"sandbox-{dead.pid}-")
+    open(os.path.join(orphan, "main.py"), "w").close()
+    live = tempfile.mkdtemp(prefix=f"sandbox-{os.getpid()}-")  # a live process's run in progress
+    try:
+        code = "import asyncio, envs.sandbox as s; print(asyncio.run(s.run_python('print(1)')).output)"
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=repo)
+        assert r.stdout.strip() == "1", r.stderr
+        assert not os.path.exists(orphan) and os.path.isdir(live)
+    finally:
+        os.rmdir(live)

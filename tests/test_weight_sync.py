@@ -4,7 +4,7 @@ The proof: after a sync, vLLM's prompt logprobs for a fixed token sequence equal
 (transformers, float32) within 1e-3; before it they differ. Each server start costs ~50 s here, so the
 file starts three (tiny, a second tiny, tiny-tied) and the tests run in order on them: one server
 twice, the tied model, a server dead before a sync (the tied one), two servers, a server killed
-mid-sync. At most two servers are up at a time.
+mid-sync and restarted. At most two servers are up at a time.
 """
 
 import subprocess
@@ -249,6 +249,20 @@ def test_server_killed_mid_sync(server_a, server_b):
     perturb(model, seed=7)
     syncer.sync(model.named_parameters(), version=9)
     assert max_diff(model, server_a.url) < TOL
+    assert syncer.out_of_step() == []  # the dead server is not named until it answers
+    # The server comes back (base weights, version "default", no transfer group): it is named, joins a
+    # new group and gets the current weights; the survivor is left alone.
+    server_b.restart()
+    server_b.wait_healthy(300)
+    assert weight_version(server_b.url) == "default"
+    assert syncer.out_of_step() == [server_b.url]
+    syncer.join([server_b.url])
+    syncer.sync(model.named_parameters(), version=9, urls=[server_b.url])
+    assert max_diff(model, server_b.url) < TOL and weight_version(server_b.url) == "9"
+    assert syncer.out_of_step() == [] and syncer.failed == {}
+    perturb(model, seed=8)  # and both take the next sync as one again
+    syncer.sync(model.named_parameters(), version=10)
+    assert max(max_diff(model, server_a.url), max_diff(model, server_b.url)) < TOL
     syncer.close()
 
 
