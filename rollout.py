@@ -196,8 +196,9 @@ class ClientStats:
 class VLLMClient:
     """aiohttp client over one or more vLLM servers, routing each request to the least-loaded one.
 
-    A server that drops a connection or aborts a request is taken out of routing (`down`); requests go
-    to the others, or wait for one to come back. It comes back when it answers — and, with
+    A server that drops a connection or aborts a request is taken out of routing (`down`) and that
+    request fails (its rollout restarts whole); later requests go to the others, or wait for one to
+    come back. It comes back when it answers — and, with
     `expected_version`, only once it reports that weight version (`/weight_info`): a restarted server
     holds the base weights until the trainer has re-synced it, and must not serve the run before.
     """
@@ -257,16 +258,19 @@ class VLLMClient:
                 self.stats.requests += 1
                 try:
                     data = await self._post(url, body)
+                except _ServerGone as e:
+                    # Not retried here: the rollout's earlier turns came from a server process that is
+                    # gone (or from weights it aborted), so the group restarts from scratch and no sample
+                    # mixes tokens from before and after (the worker retries the group).
+                    if url not in self.down:
+                        self.down.add(url)
+                        self.stats.servers_down += 1
+                        logger.warning("vLLM server %s taken out of routing: %s", url, e)
+                    raise GenerationError(f"{url} went away mid-rollout: {e}") from e
                 except _Retryable as e:
                     if attempt == self.max_retries:
                         raise GenerationError(f"{url}: gave up after {attempt + 1} attempts: {e}") from e
                     self.stats.retries += 1
-                    if isinstance(e, _ServerGone):  # no backoff: the next server, or wait for one
-                        if url not in self.down:
-                            self.down.add(url)
-                            self.stats.servers_down += 1
-                            logger.warning("vLLM server %s taken out of routing: %s", url, e)
-                        continue
                     # Exponential backoff with jitter, capped so a restarted server is found quickly.
                     await asyncio.sleep(min(8.0, self.backoff_s * 2**attempt) * (0.5 + random.random()))
                     continue
@@ -641,6 +645,10 @@ class AsyncRolloutWorker:
             except Exception as e:
                 while isinstance(e, ExceptionGroup):  # TaskGroup wraps the failing rollout's error
                     e = e.exceptions[0]
+                if self._stopping.is_set():
+                    # stop() cancelled us, but Python 3.11's TaskGroup can swallow a cancel that lands
+                    # while it is cancelling a failed rollout's siblings: never start another attempt.
+                    return None
                 msg = f"{type(e).__name__}: {e}"
                 self.stats.last_error = msg
                 self.stats.errors = (self.stats.errors + [msg])[-20:]

@@ -229,7 +229,7 @@ def server_health(urls: list[str], timeout_s: float = 2.0) -> dict[str, bool]:
 
 def explain_batch_timeout(
     waited_s: float, have: int, need: int, worker_alive: bool, rows_exhausted: bool, stats, client_stats,
-    health: dict[str, bool], dropped_stale: int, skipped_equal: int,
+    health: dict[str, bool], dropped_stale: int, skipped_equal: int, out_of_routing: set[str],
 ) -> str:  # fmt: skip
     """Why no batch came: the likeliest cause first, then every counter that bears on it."""
     reasons = []
@@ -238,6 +238,11 @@ def explain_batch_timeout(
         reasons.append("the rollout worker thread died (see its traceback in the log above)")
     if down:
         reasons.append(f"vLLM server(s) not healthy: {', '.join(down)}")
+    if out_of_routing - set(down):
+        reasons.append(
+            f"vLLM server(s) answer but are out of routing: {', '.join(sorted(out_of_routing - set(down)))} "
+            "(not holding the trainer's weights; the lines above say why the re-sync failed)"
+        )
     if rows_exhausted:
         reasons.append("the dataset rows are exhausted")
     if stats.groups_failed and stats.groups_failed >= stats.groups_done:
@@ -302,6 +307,7 @@ def collect_groups(
                         health,
                         dropped,
                         skipped,
+                        worker.client.down,
                     )  # fmt: skip
                 ) from None
             continue

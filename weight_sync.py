@@ -465,6 +465,8 @@ class WeightSyncer:
             return {}
         targets = [u for u in (urls or self.urls) if u in self.groups]
         if not targets:
+            for _, p in params:  # the other FSDP ranks are in these gathers: never leave them waiting
+                _materialize(p)
             raise WeightSyncError(
                 f"sync to version {version}: no server to sync (init() not called, or no server is joined: "
                 + (", ".join(f"{u} failed in {m}" for u, m in self.failed.items()) or "none failed")
@@ -524,9 +526,9 @@ class WeightSyncer:
                         pass
             dead = [u for u in failed if not _alive(u)]
             raise WeightSyncError(
-                f"weight sync to version {version} failed on {len(failed)} server(s) "
-                f"(not responding: {dead or 'none'}); the other {len(ok)} got the new weights, resumed: "
-                + "; ".join(f"{u} in {m}" for u, m in failed.items())
+                f"weight sync to version {version} failed on {len(failed)} server(s), "
+                f"{len(ok)} got it; not responding: {', '.join(dead) or 'none'}; "
+                + "; ".join(f"{u} failed in {m}" for u, m in failed.items())
             )
         mb = num_bytes / 1e6
         return {

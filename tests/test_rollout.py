@@ -322,23 +322,32 @@ def test_503_then_success():
     assert len(gen.ids) == len(gen.logprobs) == 3 and fake.requests == 3 and client.stats.retries == 2
 
 
-def test_connection_refused_then_success():
+def test_server_gone_fails_the_request_and_later_ones_wait_for_it():
+    """A refused connection fails that request (its rollout restarts whole: no sample mixes tokens
+    from two server processes) and takes the server out of routing; the next request waits until the
+    server answers again."""
+
     async def go():
         fake = FakeVLLM(["ok"])
         client = VLLMClient([fake.url], "m", backoff_s=0.2)
+        await client.open()
+        with pytest.raises(GenerationError, match="went away mid-rollout"):
+            await client.generate([1, 2, 3], 8, {})
+        assert client.down == {fake.url}
 
         async def start_late():
             await asyncio.sleep(0.5)
             await fake.start()
 
         starter = asyncio.create_task(start_late())
-        gen = await generate_once(client)
+        gen = await client.generate([1, 2, 3], 8, {})
         await starter
+        await client.close()
         await fake.stop()
         return client, gen
 
     client, gen = asyncio.run(go())
-    assert client.stats.retries >= 1 and len(gen.ids) == 3
+    assert len(gen.ids) == 3 and client.stats.servers_down == client.stats.servers_readmitted == 1
 
 
 def test_server_back_with_other_weights_is_not_used_until_it_reports_our_version():
@@ -349,8 +358,9 @@ def test_server_back_with_other_weights_is_not_used_until_it_reports_our_version
         fake = FakeVLLM(["ok"])
         client = VLLMClient([fake.url], "m", backoff_s=0.01, expected_version=lambda: 3)
         await client.open()
-        request = asyncio.create_task(client.generate([1, 2, 3], 8, {}))
-        await asyncio.sleep(0.5)  # refused: the server is taken out of routing, the request waits
+        with pytest.raises(GenerationError):  # refused: the server is taken out of routing
+            await client.generate([1, 2, 3], 8, {})
+        request = asyncio.create_task(client.generate([1, 2, 3], 8, {}))  # waits for a server
         await fake.start()  # back, but with "default" weights
         await asyncio.sleep(2.5)  # several probes
         served_before_sync = fake.requests
@@ -369,8 +379,12 @@ def test_server_back_with_other_weights_is_not_used_until_it_reports_our_version
 def test_no_server_back_in_time_is_a_clear_error():
     async def go():
         client = VLLMClient([f"http://127.0.0.1:{free_port()}"], "m", request_timeout_s=1.0)
-        with pytest.raises(GenerationError, match="no vLLM server for 1 s"):
-            await generate_once(client)
+        await client.open()
+        with pytest.raises(GenerationError, match="went away"):
+            await client.generate([1], 4, {})
+        with pytest.raises(GenerationError, match="no vLLM server for 1 s: http://127.0.0.1:.* down"):
+            await client.generate([1], 4, {})
+        await client.close()
 
     t0 = time.monotonic()
     asyncio.run(go())

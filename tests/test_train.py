@@ -76,7 +76,7 @@ def _fake_worker(alive: bool, groups=(), **stats):
         q.put(g)
     return SimpleNamespace(
         queue=q, alive=alive, exhausted=False, stats=WorkerStats(**stats),
-        client=SimpleNamespace(stats=ClientStats()), discard=lambda n=1: None,
+        client=SimpleNamespace(stats=ClientStats(), down=set()), discard=lambda n=1: None,
     )  # fmt: skip
 
 
@@ -92,6 +92,14 @@ def test_batch_timeout_names_a_dead_worker_and_a_down_server():
     assert "rollout worker thread died" in msg
     assert "not healthy: http://127.0.0.1:9" in msg
     assert "GenerationError: boom" in msg and "0/2 groups" in msg
+
+
+def test_batch_timeout_names_a_server_kept_out_of_routing():
+    worker = _fake_worker(alive=True)
+    worker.client.down = {"http://127.0.0.1:7"}  # answers /health, but never re-synced
+    with pytest.raises(T.BatchTimeout) as e:
+        T.collect_groups(worker, 1, 0, _args(), [], {"stop": False})
+    assert "answer but are out of routing: http://127.0.0.1:7" in str(e.value)
 
 
 def test_batch_timeout_says_all_rewards_were_equal_and_stale_groups_are_dropped():
