@@ -57,10 +57,15 @@ Choices a reader should know before the code (see loss.py for the loss's own dep
     rows lost, none trained twice). The rollout worker starts at the resumed version.
     metrics.jsonl is appended to, so steps a killed run logged after its last checkpoint appear twice;
     scripts/plot_metrics.py keeps the last line per step.
+  - A server that dies or restarts does not stop the run (`heal`): the client stops routing to it, a
+    weight sync it fails is reported and the others get it; a server launched here is relaunched; once
+    a server answers without our weight version (a restart says "default") it gets a new transfer group
+    and the current weights, and only then does the client route to it again. The run stops (with a
+    checkpoint) only if no batch comes within --batch-timeout.
   - Shutdown (end, Ctrl-C, SIGTERM, exception): stop the rollout worker → final checkpoint (also after a
-    batch timeout or a failed weight sync, which strike between steps; not after an exception mid-step)
-    → release the weight-sync group → stop the servers. Launched servers' process groups
-    are in <output_dir>/vllm-logs/servers.json for cleanup after a kill -9.
+    batch timeout, which strikes between steps; not after an exception mid-step) → release the
+    weight-sync group → stop the servers. Launched servers' process groups are in
+    <output_dir>/vllm-logs/servers.json for cleanup after a kill -9.
 """
 
 import argparse
