@@ -196,9 +196,9 @@ class ClientStats:
 class VLLMClient:
     """aiohttp client over one or more vLLM servers, routing each request to the least-loaded one.
 
-    A server that drops a connection or aborts a request is taken out of routing (`down`) and that
-    request fails (its rollout restarts whole); later requests go to the others, or wait for one to
-    come back. It comes back when it answers — and, with
+    A server that drops a connection and does not answer right after, or that aborts a request, is taken
+    out of routing (`down`) and that request fails (its rollout restarts whole); later requests go to
+    the others, or wait for one to come back. It comes back when it answers — and, with
     `expected_version`, only once it reports that weight version (`/weight_info`): a restarted server
     holds the base weights until the trainer has re-synced it, and must not serve the run before.
     """
@@ -233,7 +233,10 @@ class VLLMClient:
     async def open(self) -> None:
         # Created inside the loop that uses them.
         self._semaphore = asyncio.Semaphore(self._max_inflight)
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self._max_inflight))
+        # Idle pooled connections are dropped after 2 s, before the server's own keep-alive timeout
+        # (uvicorn under vLLM: 5 s) closes them under a request we are sending.
+        connector = aiohttp.TCPConnector(limit=self._max_inflight, keepalive_timeout=2.0)
+        self._session = aiohttp.ClientSession(connector=connector)
 
     async def close(self) -> None:
         for t in self._probes:
@@ -259,9 +262,14 @@ class VLLMClient:
                 try:
                     data = await self._post(url, body)
                 except _ServerGone as e:
-                    # Not retried here: the rollout's earlier turns came from a server process that is
-                    # gone (or from weights it aborted), so the group restarts from scratch and no sample
-                    # mixes tokens from before and after (the worker retries the group).
+                    if not e.aborted and attempt < self.max_retries and await self._answers(url):
+                        # The same process with our weights: the connection was a pooled one the server
+                        # had just closed (keep-alive race). Retry like any transient error.
+                        self.stats.retries += 1
+                        continue
+                    # Gone (or it aborted our request): not retried here, since the rollout's earlier
+                    # turns came from a process that is gone or from weights it aborted. The group
+                    # restarts from scratch, so no sample mixes tokens from before and after.
                     if url not in self.down:
                         self.down.add(url)
                         self.stats.servers_down += 1
@@ -303,18 +311,21 @@ class VLLMClient:
                 self._probes.add(task)
                 task.add_done_callback(self._probes.discard)
 
-    async def _probe(self, url: str) -> None:
+    async def _answers(self, url: str) -> bool:
+        """The server is up — and, with `expected_version`, reports that weight version."""
         path = "/health" if self.expected_version is None else "/weight_info"
         try:
             async with self._session.get(url + path, timeout=aiohttp.ClientTimeout(total=2)) as r:
                 if r.status != 200:
-                    return
+                    return False
                 if self.expected_version is not None:
-                    if (await r.json())["weight_version"] != str(self.expected_version()):
-                        return
+                    return (await r.json())["weight_version"] == str(self.expected_version())
+                return True
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError):
-            return
-        if url in self.down:
+            return False
+
+    async def _probe(self, url: str) -> None:
+        if await self._answers(url) and url in self.down:
             self.down.discard(url)
             self.stats.servers_readmitted += 1
             logger.warning("vLLM server %s back in routing", url)
@@ -336,7 +347,7 @@ class VLLMClient:
             raise _Retryable(f"{type(e).__name__}: {e}") from e
         choice = data["choices"][0]
         if choice.get("finish_reason") == "abort":  # the server aborted it: a failed weight sync, or shutdown
-            raise _ServerGone("request aborted by the server")
+            raise _ServerGone("request aborted by the server", aborted=True)
         return choice
 
     def _to_generation(self, url: str, choice: dict) -> Generation:
@@ -355,6 +366,10 @@ class _Retryable(Exception):
 
 class _ServerGone(_Retryable):
     """The server dropped the connection or aborted the request: take it out of routing."""
+
+    def __init__(self, message: str, aborted: bool = False):
+        super().__init__(message)
+        self.aborted = aborted
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -276,6 +276,9 @@ class FakeVLLM:
             return aiohttp.web.Response(status=503, text="paused")
         if what == "hang":
             await asyncio.sleep(3600)
+        if what == "drop":  # the connection closes under the request; the server itself stays up
+            request.transport.close()
+            return aiohttp.web.Response()
         n = min(3, body["max_tokens"])
         choice = {"token_ids": [5] * n, "finish_reason": "length" if n == body["max_tokens"] else "stop"}
         choice["token_ids"][-1] = 2  # <|im_end|>: the turn ends without a tool call
@@ -320,6 +323,23 @@ def test_503_then_success():
 
     fake, client, gen = asyncio.run(go())
     assert len(gen.ids) == len(gen.logprobs) == 3 and fake.requests == 3 and client.stats.retries == 2
+
+
+def test_connection_dropped_by_a_live_server_is_retried_in_place():
+    """A keep-alive race (the server closed a pooled connection as we reused it) is not a crash: the
+    server still answers, so the request is retried and the server stays in routing."""
+
+    async def go():
+        fake = FakeVLLM(["drop", "ok"])
+        await fake.start()
+        client = VLLMClient([fake.url], "m", backoff_s=0.01)
+        gen = await generate_once(client)
+        await fake.stop()
+        return fake, client, gen
+
+    fake, client, gen = asyncio.run(go())
+    assert len(gen.ids) == 3 and fake.requests == 2 and client.stats.retries == 1
+    assert client.stats.servers_down == 0 and not client.down
 
 
 def test_server_gone_fails_the_request_and_later_ones_wait_for_it():
