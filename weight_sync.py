@@ -518,13 +518,13 @@ class WeightSyncer:
             for u, m in failed.items():  # its group is out of step or gone: a new one on rejoin
                 self.groups.pop(u, None)
                 self.failed[u] = m
+            dead = [u for u in failed if not _alive(u)]
             for u in failed:
-                if _alive(u):
+                if u not in dead:
                     try:
                         _post(u, "/pause?mode=abort", None, self.http_timeout_s)
                     except Exception:  # noqa: BLE001 - the sync error below is the one that matters
                         pass
-            dead = [u for u in failed if not _alive(u)]
             raise WeightSyncError(
                 f"weight sync to version {version} failed on {len(failed)} server(s), "
                 f"{len(ok)} got it; not responding: {', '.join(dead) or 'none'}; "

@@ -10,12 +10,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from test_weight_sync import max_diff, weight_version  # what weight sync is tested with
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import train_async_grpo as T
@@ -241,16 +241,6 @@ def test_sigint_stops_fast_with_a_checkpoint(own_server, tmp_path, delay_s):
 # ---------------------------------------------------------------------------------------------------
 # CASES 1 and 2: the server is killed mid-rollout, the next weight sync meets it dead, it is restarted
 # ---------------------------------------------------------------------------------------------------
-def prompt_logprobs(url: str, tokens: list[int]) -> torch.Tensor:
-    body = {"model": str(MODEL), "prompt": tokens, "max_tokens": 1, "prompt_logprobs": 0}
-    req = urllib.request.Request(
-        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=60) as r:
-        entries = json.loads(r.read())["choices"][0]["prompt_logprobs"]
-    return torch.tensor([entries[t][str(tokens[t])]["logprob"] for t in range(1, len(tokens))])
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_server_killed_mid_rollout_and_restarted_the_run_goes_on(own_server, tmp_path):
@@ -295,16 +285,11 @@ def test_server_killed_mid_rollout_and_restarted_the_run_goes_on(own_server, tmp
     first_completion = restarted.index("POST /v1/completions")
     assert restarted.index("POST /update_weight_version") < first_completion, restarted[-3000:]
     # And what it holds now is the trainer's final model: same version tag, same logprobs.
-    with urllib.request.urlopen(server.url + "/weight_info", timeout=10) as r:
-        assert json.loads(r.read())["weight_version"] == str(metrics[-1]["model_version"])
+    assert weight_version(server.url) == str(metrics[-1]["model_version"])
     final = AutoModelForCausalLM.from_pretrained(
         out / "checkpoints" / f"step_{steps:06d}", dtype=torch.float32
     )
-    tokens = [5, 17, 42, 99, 7, 250, 3, 64, 128, 11]
-    with torch.no_grad():
-        logp = torch.log_softmax(final(torch.tensor([tokens])).logits[0, :-1], -1)
-    expected = logp.gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
-    assert (prompt_logprobs(server.url, tokens) - expected).abs().max().item() < 1e-3
+    assert max_diff(final, server.url) < 1e-3
 
 
 # ---------------------------------------------------------------------------------------------------

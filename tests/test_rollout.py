@@ -312,32 +312,29 @@ async def generate_once(client: VLLMClient) -> Generation:
         await client.close()
 
 
-def test_503_then_success():
+def generate_against(behaviour: list[str]) -> tuple[FakeVLLM, VLLMClient, Generation]:
+    """One request through a fresh client to a fake server that answers per `behaviour`."""
+
     async def go():
-        fake = FakeVLLM(["503", "503", "ok"])
+        fake = FakeVLLM(behaviour)
         await fake.start()
         client = VLLMClient([fake.url], "m", backoff_s=0.01)
         gen = await generate_once(client)
         await fake.stop()
         return fake, client, gen
 
-    fake, client, gen = asyncio.run(go())
+    return asyncio.run(go())
+
+
+def test_503_then_success():
+    fake, client, gen = generate_against(["503", "503", "ok"])
     assert len(gen.ids) == len(gen.logprobs) == 3 and fake.requests == 3 and client.stats.retries == 2
 
 
 def test_connection_dropped_by_a_live_server_is_retried_in_place():
     """A keep-alive race (the server closed a pooled connection as we reused it) is not a crash: the
     server still answers, so the request is retried and the server stays in routing."""
-
-    async def go():
-        fake = FakeVLLM(["drop", "ok"])
-        await fake.start()
-        client = VLLMClient([fake.url], "m", backoff_s=0.01)
-        gen = await generate_once(client)
-        await fake.stop()
-        return fake, client, gen
-
-    fake, client, gen = asyncio.run(go())
+    fake, client, gen = generate_against(["drop", "ok"])
     assert len(gen.ids) == 3 and fake.requests == 2 and client.stats.retries == 1
     assert client.stats.servers_down == 0 and not client.down
 
