@@ -4,43 +4,48 @@
     result = await sandbox.run("print(2**100)", timeout_s=5)
     result.output  # '1267650600228229401496703205376\n'
 
-Stateless per call: every call gets a fresh `python -I` process, a fresh temporary directory as cwd
-(removed afterwards; if the process that made it was SIGKILLed, by the next process's first run) and
-a fresh environment; nothing a call does (files, variables, imports, background
-processes) is visible to the next call. The only state is the semaphore in `Sandbox` that caps how many
-runs are live.
+Stateless per call: every call gets a fresh `python -I` process, a fresh run directory as cwd (removed
+afterwards; if the process that made it was SIGKILLed, by the next process's first run) and a fresh
+environment (PATH, HOME, TMPDIR, LANG, single-thread BLAS); nothing a call does (files, variables,
+imports, background processes) is visible to the next call. The state in `Sandbox` is the cap on live
+runs; the process holds one memory cgroup for all its runs.
 
-What contains what (isolation mode "root-ns", used when we are root and `unshare` works; true here):
-- wall clock: `timeout_s`, then SIGKILL to the process group and to every process owned by the run's uid.
-- forks and stray children: the code runs as its own unprivileged uid, drawn at random per run from a
-  range of 2^30 uids no account uses (so RLIMIT_NPROC counts only that run's processes; root ignores
-  RLIMIT_NPROC, which is why we switch uid; a collision between two live runs has odds ~1e-8),
-  in a new pid namespace whose init is a root shell; when the code exits, the namespace dies and the kernel
-  kills whatever it left behind, even processes that called setsid().
-- memory, CPU, file size, open files: RLIMIT_AS, RLIMIT_CPU, RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CORE=0.
-- network: a new, empty network namespace (no interfaces up), so connect() fails at once.
-- filesystem: a new mount namespace with /tmp, /var/tmp and /dev/shm read-only (the only world-writable
-  places), the run's own directory writable, /proc showing only the sandbox's processes, and any
-  unreadable ancestor of the Python install (here /root, mode 700) replaced by an empty tmpfs that
-  re-exposes only the Python install, so the sandbox uid can start Python without seeing root's files.
-  Everything else is protected by ordinary permissions: the sandbox uid owns nothing outside its dir.
-- environment: only PATH, HOME, TMPDIR, LANG and single-thread BLAS settings; nothing of the parent's.
-- signals: the sandbox uid may not signal the trainer's processes (different uid), and in the pid
-  namespace the parent's pids do not exist (os.getppid() is the namespace's init, owned by root).
+Isolation modes, the strongest that works here is probed once per process (`isolation_mode`):
+- "root-ns" (root with CAP_SYS_ADMIN): new pid, net and mount namespaces (`unshare`). A root shell,
+  pid 1 of the namespace, assembles a minimal root from read-only binds (/usr, /bin, /lib*, the Python
+  install, the venv), the four harmless devices, an empty private /tmp and /dev/shm, a /proc of the
+  namespace, and the run dir at /sandbox; enters it with pivot_root (the old root is detached, so the
+  checkout, datasets, runs/, /root and /home do not exist for the code) and runs the code as an
+  unprivileged uid drawn per run from 2^30 unused uids (RLIMIT_NPROC then counts only that run; root
+  ignores it). When the code exits, the namespace dies and the kernel kills whatever it left behind.
+  No interface is up in the net namespace; the trainer's pids do not exist in the pid namespace.
+- "user-ns" (not root, or root without CAP_SYS_ADMIN, where unprivileged user namespaces work): the
+  same namespaces and minimal root inside a user namespace; the code runs as the namespace's root with
+  every capability dropped (so it cannot undo the mounts). RLIMIT_NPROC counts all of our uid's
+  processes: set to the current count plus a margin, it bounds a fork bomb only loosely.
+- "seccomp" (no namespace can be made; libseccomp present): see envs/confine.py. As root the code
+  runs as a drawn uid (or, when the Python install lies below a directory others cannot enter, as
+  root with every capability dropped); not root, as our uid. seccomp denies sockets, ptrace and
+  signals outside the run's process group; Landlock, where the kernel has it, limits the files to the
+  Python install (read) and the run dir. Without Landlock and not root, the code can read whatever our
+  uid can, /proc/<trainer>/environ included: `isolation_gaps` says so and the trainer refuses.
+- "none": rlimits, a new session and the process-group kill only.
 
-Fallbacks (probed once per process, see `isolation_mode`): "user-ns" when not root but unprivileged user
-namespaces work (`unshare -rn`): network is isolated, but RLIMIT_NPROC then counts all of our user's
-processes, so it is set to the current count plus a margin, which bounds a fork bomb only loosely.
-"none": rlimits, a new session and the process-group kill only; no network or filesystem isolation.
+Every mode: wall clock (`timeout_s`, then SIGKILL to the group, and in the drawn-uid modes to every
+process of that uid), RLIMIT_AS/CPU/FSIZE/NOFILE/CORE per process, and one memory budget for all runs
+together: a memory cgroup (v2, or v1 where the memory controller is there) made for this process with
+`memory_budget_bytes`; when the runs together exceed it the kernel OOM-kills inside it, never the
+trainer or vLLM, and the killed run's `error` says so. Where no cgroup can be made (not root, a
+read-only /sys/fs/cgroup without delegation) only the per-process RLIMIT_AS bounds memory.
 """
 
 import asyncio
-import ctypes
 import functools
 import glob
 import os
 import random
 import resource
+import shlex
 import shutil
 import signal
 import subprocess
@@ -50,8 +55,11 @@ import threading
 import time
 from dataclasses import dataclass
 
+from envs import confine
+
 MAX_OUTPUT_BYTES = 16 * 1024  # what the model sees; a tool message should stay small
 MEMORY_LIMIT_BYTES = 2 * 1024**3  # RLIMIT_AS: address space, generous for numpy/sympy imports
+MEMORY_BUDGET_BYTES = 4 * 1024**3  # the memory cgroup: resident memory of all live runs together
 MAX_PROCESSES = 32  # RLIMIT_NPROC for the sandbox uid (threads count too)
 MAX_FILE_BYTES = 16 * 1024**2  # RLIMIT_FSIZE: largest file the code may write
 MAX_OPEN_FILES = 128  # RLIMIT_NOFILE
@@ -59,10 +67,12 @@ UID_RANGE = (
     1 << 30,
     (1 << 31) - 2,
 )  # sandbox uids are drawn from here; no real account should be in it
+RUN_DIR_INSIDE = "/sandbox"  # where the run dir appears in the namespace modes' minimal root
+# What the code may see besides the Python install: binaries, shared libraries, the loader's cache.
+SYSTEM_PATHS = ["/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32", "/etc/ld.so.cache"]
+DEVICES = ["null", "zero", "random", "urandom"]
 
-_libc = ctypes.CDLL(None, use_errno=True)  # loaded here: preexec_fn runs between fork and exec
 _PR_SET_PDEATHSIG = 1
-
 _MARKER = "\n\n... [{n} bytes of output omitted] ...\n\n"
 
 
@@ -73,10 +83,10 @@ class SandboxResult:
     timed_out: bool  # killed by the wall-clock timeout
     truncated: bool  # output was longer than max_output_bytes
     duration_s: float  # wall-clock time of the whole call, setup and cleanup included
-    error: str = ""  # short reason when something went wrong (timeout, signal, setup failure), else ""
+    error: str = ""  # short reason when something went wrong (timeout, signal, OOM, setup failure)
 
 
-# SETUP: which isolation this machine allows, probed once per process.
+# SETUP: what the code may see, and which isolation this machine allows (probed once per process).
 
 
 def _blocked_ancestors(path: str) -> dict[str, set[str]]:
@@ -90,98 +100,108 @@ def _blocked_ancestors(path: str) -> dict[str, set[str]]:
     return blocked
 
 
-def _prologue(python_paths: list[str]) -> str:
-    """Shell run as root inside the new namespaces; $1 = run dir, $2 = uid; then runs python as $2."""
-    blocked: dict[str, set[str]] = {}
-    for p in python_paths:
-        for parent, children in _blocked_ancestors(p).items():
-            blocked.setdefault(parent, set()).update(children)
-    lines = [
-        "set -e",
-        # Bind the run dir onto itself first, so it stays writable when /tmp becomes read-only.
-        'mount --bind "$1" "$1"',
-        "for d in /tmp /var/tmp /dev/shm; do mount --rbind $d $d; mount -o remount,bind,ro $d; done",
-    ]
-    for parent, children in sorted(blocked.items()):
-        # Stash each needed child under the run dir, cover the parent with an empty tmpfs, move it back.
-        children = sorted(children)
-        for j, child in enumerate(children):
-            lines.append(f'mkdir "$1/.stash{j}"; mount --bind "{parent}/{child}" "$1/.stash{j}"')
-        lines.append(f'mount -t tmpfs -o size=64k,mode=755 tmpfs "{parent}"')
-        for j, child in enumerate(children):
-            lines.append(f'mkdir "{parent}/{child}"; mount --move "$1/.stash{j}" "{parent}/{child}"')
-            lines.append(f'rmdir "$1/.stash{j}"')
-    # The shell stays as pid 1 (root, unkillable by the code) and waits; when it exits the namespace dies.
-    lines.append(
-        'setpriv --reuid="$2" --regid="$2" --clear-groups --no-new-privs -- "$3" -I main.py; exit $?'
-    )
-    return "\n".join(lines)
-
-
-def _python_paths() -> list[str]:
-    return [sys.executable, sys.prefix, sys.base_prefix]
+def _resolve(path: str, links: dict[str, str]) -> str:
+    """The real path of `path`, recording every symlink met on the way (link -> target) in `links`."""
+    todo, cur = [p for p in path.split("/") if p], "/"
+    for _ in range(1000):  # symlink loops end here
+        if not todo:
+            return cur
+        nxt = os.path.normpath(os.path.join(cur, todo.pop(0)))
+        if os.path.islink(nxt):
+            target = os.readlink(nxt)
+            links[nxt] = target
+            todo = [p for p in target.split("/") if p] + todo
+            cur = "/" if target.startswith("/") else cur
+        else:
+            cur = nxt
+    raise OSError(f"too many symlinks in {path}")
 
 
 @functools.cache
-def isolation_mode() -> str:
-    """'root-ns', 'user-ns' or 'none': the strongest isolation that actually works here (cached)."""
-    if os.geteuid() == 0 and shutil.which("unshare") and shutil.which("setpriv"):
-        workdir = tempfile.mkdtemp(prefix="sandbox-probe-")
-        try:
-            with open(os.path.join(workdir, "main.py"), "w") as f:
-                f.write("print(1)")
-            uid = random.SystemRandom().randint(*UID_RANGE)
-            os.chown(workdir, uid, uid)
-            argv = _root_ns_argv(workdir, uid)
-            probe = subprocess.run(
-                argv,
-                cwd=workdir,
-                env={"PATH": "/usr/bin:/bin"},
-                capture_output=True,
-                timeout=30,
-                check=False,
-            )
-            if probe.returncode == 0 and probe.stdout == b"1\n":
-                return "root-ns"
-        except (OSError, subprocess.TimeoutExpired):
-            pass
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
-    if os.geteuid() != 0 and shutil.which("unshare"):
-        probe = subprocess.run(["unshare", "-rn", "true"], capture_output=True, check=False)
-        if probe.returncode == 0:
-            return "user-ns"
-    return "none"
+def visible_paths() -> tuple[list[str], dict[str, str]]:
+    """(real directories and files the code may read, symlinks leading to them): the system paths and
+    the Python install (interpreter, its prefix, the venv)."""
+    links: dict[str, str] = {}
+    wanted = SYSTEM_PATHS + [sys.executable, sys.prefix, sys.base_prefix]
+    real = sorted({_resolve(p, links) for p in wanted if os.path.exists(p)})
+    binds = [p for p in real if not any(p.startswith(q.rstrip("/") + "/") for q in real if q != p)]
+    inside = [q.rstrip("/") + "/" for q in binds]
+    return binds, {k: v for k, v in links.items() if not any(k.startswith(q) for q in inside)}
 
 
-def _root_ns_argv(workdir: str, uid: int) -> list[str]:
-    return [
-        "unshare",
-        "--net",
-        "--pid",
-        "--fork",
-        "--kill-child",
-        "--mount-proc",
-        "--",
-        "/bin/sh",
-        "-c",
-        _prologue(_python_paths()),
-        "sh",
-        workdir,
-        str(uid),
-        sys.executable,
+@functools.cache
+def _ns_prologue() -> str:
+    """Shell run as root in the new namespaces. $1 = the run's base dir (run/ = the code's dir, root/ =
+    an empty mount point); the rest = the command that drops privileges and runs python, as pid 1's
+    child (pid 1 stays a root shell the code cannot kill; when it exits the namespace dies)."""
+    binds, links = visible_paths()
+    q = shlex.quote
+    files = [p for p in binds if not os.path.isdir(p)]
+    dirs = [p for p in binds if os.path.isdir(p)] + [os.path.dirname(k) for k in links]
+    dirs += [RUN_DIR_INSIDE, "/tmp", "/proc", "/dev/shm"] + [os.path.dirname(p) for p in files]
+    lines = [
+        "set -e",
+        'R="$1/root"',
+        'mount -t tmpfs -o size=1m,mode=755,nosuid,nodev sandbox-root "$R"',
+        "mkdir -p " + " ".join(f'"$R"{q(d)}' for d in sorted(set(dirs))),
+        "touch " + " ".join(f'"$R"{q(p)}' for p in files + [f"/dev/{d}" for d in DEVICES]),
     ]
+    lines += [f'ln -s {q(target)} "$R"{q(link)}' for link, target in sorted(links.items())]
+    lines += [f'mount -o bind,ro,nosuid,nodev {q(p)} "$R"{q(p)}' for p in binds]
+    lines += [f'mount -o bind /dev/{d} "$R/dev/{d}"' for d in DEVICES]
+    lines += [
+        'mount -t tmpfs -o size=64m,mode=1777,nosuid,nodev sandbox-tmp "$R/tmp"',
+        'mount -t tmpfs -o size=64m,mode=1777,nosuid,nodev sandbox-shm "$R/dev/shm"',
+        f'mount -o bind,nosuid,nodev "$1/run" "$R{RUN_DIR_INSIDE}"',
+        'mount -t proc -o nosuid,nodev,noexec proc "$R/proc"',
+        'mount -o remount,bind,ro,nosuid,nodev "$R"',
+        'cd "$R"',
+        f"{shutil.which('pivot_root')} . .",  # the old root ends up stacked under the new one ...
+        "umount -l .",  # ... and is detached here: nothing outside the minimal root is reachable
+        f"cd {RUN_DIR_INSIDE}",
+        "shift",
+        '"$@"; exit $?',
+    ]
+    return "\n".join(lines)
 
 
-# RUNNING ONE CALL
+def _python_reachable_by_others() -> bool:
+    return not any(_blocked_ancestors(p) for p in (sys.executable, sys.prefix, sys.base_prefix))
 
 
-def _limits(timeout_s: float, nproc: int) -> None:
-    """preexec_fn: rlimits for the whole process tree (inherited across fork and exec), and SIGKILL to
-    the run's first process when the thread that started it dies (a kill -9 of the trainer included):
-    in root-ns mode that is `unshare --kill-child`, whose death takes the whole pid namespace with it;
-    otherwise a run sleeping in a syscall (no CPU time, so no RLIMIT_CPU) would outlive us."""
-    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+def _command(mode: str, base: str, uid: int) -> list[str]:
+    """argv of one run; cwd is base/run in the modes without a mount namespace."""
+    python = [sys.executable, "-I", "main.py"]
+    ns = ["--net", "--pid", "--fork", "--kill-child", "--mount", "--propagation", "private"]
+    if mode == "root-ns":
+        drop = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs"]
+        return ["unshare", *ns, "--", "/bin/sh", "-c", _ns_prologue(), "sh", base, *drop, "--", *python]
+    if mode == "user-ns":
+        drop = ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
+        shell = ["/bin/sh", "-c", _ns_prologue(), "sh", base]
+        return ["unshare", "--user", "--map-root-user", *ns, "--", *shell, *drop, "--", *python]
+    if mode == "seccomp" and os.geteuid() == 0:
+        if _python_reachable_by_others():
+            return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *python]
+        return ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--", *python]
+    return python
+
+
+def _draws_uid(mode: str) -> bool:
+    """Does the code run as its own drawn uid (so RLIMIT_NPROC and the kill-by-uid work)?"""
+    return mode == "root-ns" or (mode == "seccomp" and os.geteuid() == 0 and _python_reachable_by_others())
+
+
+def _preexec(mode: str, run_dir: str, timeout_s: float, nproc: int, cgroup_procs: str | None) -> None:
+    """Between fork and exec: join the memory cgroup, set the rlimits (inherited by the whole process
+    tree), and SIGKILL the run's first process when the thread that started it dies (a kill -9 of the
+    trainer included): in the namespace modes that is `unshare --kill-child`, whose death takes the
+    pid namespace with it; otherwise a run sleeping in a syscall (no CPU time) would outlive us.
+    In mode "seccomp", confine (seccomp + Landlock) last."""
+    confine._libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if cgroup_procs:
+        with open(cgroup_procs, "w") as f:
+            f.write(str(os.getpid()))
     cpu = int(timeout_s) + 1
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES))
@@ -189,6 +209,160 @@ def _limits(timeout_s: float, nproc: int) -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (MAX_FILE_BYTES, MAX_FILE_BYTES))
     resource.setrlimit(resource.RLIMIT_NOFILE, (MAX_OPEN_FILES, MAX_OPEN_FILES))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if mode == "seccomp":
+        readable = visible_paths()[0] + ["/sys/devices/system/cpu"]
+        confine.confine(readable, [run_dir] + [f"/dev/{d}" for d in DEVICES])
+
+
+def _probe(mode: str) -> bool:
+    """Run print(1) in `mode`, synchronously (isolation_mode may be called inside an event loop)."""
+    base = _make_base(mode, uid := random.SystemRandom().randint(*UID_RANGE), "print(1)")
+    try:
+        probe = subprocess.run(
+            _command(mode, base, uid),
+            cwd=os.path.join(base, "run"),
+            env=_env(mode, base),
+            capture_output=True,
+            timeout=30,
+            check=False,
+            preexec_fn=functools.partial(_preexec, mode, os.path.join(base, "run"), 30, _nproc(mode), None),
+        )
+        return probe.returncode == 0 and probe.stdout == b"1\n"
+    except (OSError, subprocess.SubprocessError):
+        return False
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@functools.cache
+def isolation_mode() -> str:
+    """'root-ns', 'user-ns', 'seccomp' or 'none': the strongest isolation that works here (cached)."""
+    tools = shutil.which("unshare") and shutil.which("setpriv") and shutil.which("pivot_root")
+    if tools and os.geteuid() == 0 and _probe("root-ns"):
+        return "root-ns"
+    if tools and _probe("user-ns"):
+        return "user-ns"
+    if (
+        confine.seccomp_filter() is not None
+        and (os.geteuid() != 0 or shutil.which("setpriv"))
+        and _probe("seccomp")
+    ):
+        return "seccomp"
+    return "none"
+
+
+def isolation_gaps() -> list[str]:
+    """What the mode in use cannot stop, among the three the trainer refuses to run without."""
+    mode = isolation_mode()
+    if mode == "none":
+        return ["network access", "reading the trainer's environment", "signalling the trainer"]
+    if mode == "seccomp" and os.geteuid() != 0 and not confine.landlock_abi():
+        return ["reading the trainer's environment (/proc/<pid>/environ: same uid, and no Landlock)"]
+    return []
+
+
+# MEMORY BUDGET: one cgroup for all runs of this process.
+
+
+def _cgroup_dir() -> tuple[str, str] | None:
+    """(our own cgroup's directory, "v2" or "v1") for the memory controller, or None."""
+    for line in open("/proc/self/cgroup").read().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            return "/sys/fs/cgroup/memory" + path, "v1"
+        if controllers == "":
+            for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
+                d = root + path
+                if "memory" in open(os.path.join(root, "cgroup.controllers")).read().split():
+                    return d, "v2"
+    return None
+
+
+@functools.cache
+def memory_cgroup(budget_bytes: int) -> tuple[str, str] | None:
+    """(directory, version) of this process's cgroup for sandbox runs with `budget_bytes`, made on
+    first use; None where none can be made (then only RLIMIT_AS bounds memory). Cgroups left by dead
+    processes (a SIGKILLed trainer) are removed here."""
+    try:
+        found = _cgroup_dir()
+        if found is None:
+            return None
+        parent, version = found
+        for old in glob.glob(os.path.join(parent, "sandbox-*-*")):
+            pid = os.path.basename(old).split("-")[1]
+            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                os.rmdir(old)
+        d = os.path.join(parent, f"sandbox-{os.getpid()}-{budget_bytes >> 20}m")
+        os.makedirs(d, exist_ok=True)
+        if version == "v2":
+            with open(os.path.join(parent, "cgroup.subtree_control")) as f:
+                if "memory" not in f.read().split():
+                    raise OSError("memory controller not enabled for children")
+            _write(d, "memory.max", budget_bytes)
+            _write(d, "memory.swap.max", 0, missing_ok=True)
+        else:
+            _write(d, "memory.limit_in_bytes", budget_bytes)
+            _write(d, "memory.memsw.limit_in_bytes", budget_bytes, missing_ok=True)
+        return d, version
+    except OSError:
+        return None
+
+
+def _write(d: str, name: str, value: int, missing_ok: bool = False) -> None:
+    try:
+        with open(os.path.join(d, name), "w") as f:
+            f.write(str(value))
+    except FileNotFoundError:
+        if not missing_ok:
+            raise
+
+
+def _oom_kills(cgroup: tuple[str, str] | None) -> int:
+    """How many processes the kernel has OOM-killed in the cgroup so far."""
+    if cgroup is None:
+        return 0
+    name = "memory.events" if cgroup[1] == "v2" else "memory.oom_control"
+    try:
+        for line in open(os.path.join(cgroup[0], name)):
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+# RUNNING ONE CALL
+
+
+def _make_base(mode: str, uid: int, code: str) -> str:
+    """base/run (the code's dir, with main.py) and, in the namespace modes, base/root (a mount point)."""
+    base = tempfile.mkdtemp(prefix=f"sandbox-{os.getpid()}-")
+    run_dir = os.path.join(base, "run")
+    os.mkdir(run_dir)
+    # A few KB written synchronously: cheaper than a thread hop.
+    with open(os.path.join(run_dir, "main.py"), "w", encoding="utf-8", errors="replace") as f:
+        f.write(code)
+    if mode in ("root-ns", "user-ns"):
+        os.mkdir(os.path.join(base, "root"))
+    if _draws_uid(mode):
+        os.chmod(base, 0o711)  # the drawn uid must pass through to run/
+        os.chown(run_dir, uid, uid)
+        os.chown(os.path.join(run_dir, "main.py"), uid, uid)
+    return base
+
+
+def _env(mode: str, base: str) -> dict[str, str]:
+    home = RUN_DIR_INSIDE if mode in ("root-ns", "user-ns") else os.path.join(base, "run")
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": home,
+        "TMPDIR": "/tmp" if mode in ("root-ns", "user-ns") else home,
+        "LANG": "C.UTF-8",
+        # BLAS thread pools count against RLIMIT_NPROC and RLIMIT_AS; one thread is plenty here.
+        "OPENBLAS_NUM_THREADS": "1",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
 
 
 def _user_process_count() -> int:
@@ -200,6 +374,11 @@ def _user_process_count() -> int:
         except OSError:
             pass
     return n
+
+
+def _nproc(mode: str) -> int:
+    """RLIMIT_NPROC: counts the processes of the run's real uid, which is ours unless it drew one."""
+    return MAX_PROCESSES if _draws_uid(mode) or os.geteuid() == 0 else _user_process_count() + MAX_PROCESSES
 
 
 def _kill_uid(uid: int) -> None:
@@ -234,12 +413,6 @@ async def _drain(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, bytes, 
     return bytes(head), bytes(tail), total
 
 
-def _write_code(workdir: str, code: str) -> None:
-    # A few KB written synchronously: cheaper than a thread hop.
-    with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8", errors="replace") as f:
-        f.write(code)
-
-
 def _signal_kill(proc: asyncio.subprocess.Process) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # start_new_session: the group id is the pid
@@ -251,6 +424,7 @@ async def run_python(
     code: str,
     timeout_s: float = 10.0,
     max_output_bytes: int = MAX_OUTPUT_BYTES,
+    memory_budget_bytes: int = MEMORY_BUDGET_BYTES,
 ) -> SandboxResult:
     """Run `code` as a fresh `python -I main.py` in a fresh directory; see the module docstring.
 
@@ -261,41 +435,26 @@ async def run_python(
     uid = random.SystemRandom().randint(*UID_RANGE)  # OS entropy: immune to random.seed()
     start = time.monotonic()
     remove_run_dirs_of_dead_processes()
-    workdir = tempfile.mkdtemp(prefix=f"sandbox-{os.getpid()}-")
-    env = {
-        "PATH": "/usr/local/bin:/usr/bin:/bin",
-        "HOME": workdir,
-        "TMPDIR": workdir,
-        "LANG": "C.UTF-8",
-        # BLAS thread pools count against RLIMIT_NPROC and RLIMIT_AS; one thread is plenty here.
-        "OPENBLAS_NUM_THREADS": "1",
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-    }
-    _write_code(workdir, code)
-    if mode == "root-ns":
-        os.chown(workdir, uid, uid)
-        nproc = MAX_PROCESSES
-        argv = _root_ns_argv(workdir, uid)
-    elif mode == "user-ns":
-        nproc = _user_process_count() + MAX_PROCESSES
-        argv = ["unshare", "-rn", "--", sys.executable, "-I", "main.py"]
-    else:
-        nproc = _user_process_count() + MAX_PROCESSES if os.geteuid() != 0 else MAX_PROCESSES
-        argv = [sys.executable, "-I", "main.py"]
+    cgroup = memory_cgroup(memory_budget_bytes)
+    ooms_before = _oom_kills(cgroup)
+    base = _make_base(mode, uid, code)
+    run_dir = os.path.join(base, "run")
+    nproc = _nproc(mode)
     timed_out, error = False, ""
     head, tail, total = b"", b"", 0
     proc = None
     try:
         proc = await asyncio.create_subprocess_exec(
-            *argv,
-            cwd=workdir,
-            env=env,
+            *_command(mode, base, uid),
+            cwd=run_dir,
+            env=_env(mode, base),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=functools.partial(_limits, timeout_s, nproc),
+            preexec_fn=functools.partial(
+                _preexec, mode, run_dir, timeout_s, nproc, cgroup and os.path.join(cgroup[0], "cgroup.procs")
+            ),
         )
         drain = asyncio.ensure_future(_drain(proc.stdout, max_output_bytes))
         try:
@@ -304,7 +463,7 @@ async def run_python(
             timed_out = True
         # Always: kill what is left (the code on timeout; background children after a normal exit).
         _signal_kill(proc)
-        if mode == "root-ns":
+        if _draws_uid(mode):
             _kill_uid(uid)
         await proc.wait()
         try:
@@ -312,16 +471,22 @@ async def run_python(
         # A writer escaped the kill (only possible without namespaces).
         except TimeoutError:
             error = "output pipe still open after kill"
-    except OSError as e:
+    except (OSError, subprocess.SubprocessError) as e:
         error = f"sandbox failed to start: {e}"
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(base, ignore_errors=True)
     exit_code = None if proc is None else proc.returncode
     # asyncio reports death by signal N as -N; the shell convention 128+N reads the same in every mode.
     if exit_code is not None and exit_code < 0:
         exit_code = 128 - exit_code
+    oom = _oom_kills(cgroup) > ooms_before
     if timed_out:
         error = f"timed out after {timeout_s:g} s"
+    elif oom and exit_code is not None and exit_code != 0:
+        # The namespace modes' pid 1 shell reports its killed child as 128+9 by exit code.
+        error = (
+            f"out of memory: the runs together used up the sandbox budget ({memory_budget_bytes >> 20} MiB)"
+        )
     elif exit_code is not None and exit_code > 128 and not error:
         error = f"killed by signal {exit_code - 128} ({_signal_name(exit_code - 128)})"
     truncated = total > len(head) + len(tail)
@@ -371,8 +536,9 @@ class Sandbox:
     loop and the trainer's eval loop share one Sandbox from two threads, and an asyncio primitive binds
     to the first loop that waits on it (the other loop's tool calls then raised under contention)."""
 
-    def __init__(self, max_concurrency: int = 4):
+    def __init__(self, max_concurrency: int = 4, memory_budget_bytes: int = MEMORY_BUDGET_BYTES):
         self._slots = threading.BoundedSemaphore(max_concurrency)
+        self.memory_budget_bytes = memory_budget_bytes  # one cgroup for all runs with this budget
 
     async def run(
         self,
@@ -383,6 +549,6 @@ class Sandbox:
         while not self._slots.acquire(blocking=False):
             await asyncio.sleep(0.01)  # a run takes ~100 ms: polling costs nothing that matters
         try:
-            return await run_python(code, timeout_s, max_output_bytes)
+            return await run_python(code, timeout_s, max_output_bytes, self.memory_budget_bytes)
         finally:
             self._slots.release()

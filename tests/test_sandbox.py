@@ -2,7 +2,9 @@
 
 import asyncio
 import os
+import shutil
 import socket
+import sys
 import threading
 import time
 
@@ -10,7 +12,7 @@ import pytest
 
 from envs.sandbox import MAX_OUTPUT_BYTES, UID_RANGE, Sandbox, isolation_mode, run_python
 
-ISOLATED = isolation_mode() == "root-ns"
+ISOLATED = isolation_mode() in ("root-ns", "user-ns")
 needs_ns = pytest.mark.skipif(not ISOLATED, reason=f"isolation mode is {isolation_mode()!r}")
 
 
@@ -118,8 +120,9 @@ def test_parent_environment_is_not_visible(monkeypatch):
     assert "SANDBOX_TEST_SECRET" not in r.output
 
 
-@needs_ns
-def test_writes_outside_the_temp_dir_fail(tmp_path):
+def test_writes_outside_the_run_dir_do_not_reach_the_machine(tmp_path):
+    """The run dir is the one writable place the machine sees; in the namespace modes /tmp and
+    /dev/shm are the run's own empty tmpfs, so a write there lands nowhere outside."""
     targets = [
         str(tmp_path / "evil"),
         "/tmp/sandbox_evil",
@@ -133,9 +136,9 @@ def test_writes_outside_the_temp_dir_fail(tmp_path):
         "    except OSError as e:\n        print('denied', p, e.strerror)"
     )
     r = run(code)
-    assert "WROTE" not in r.output, r.output
-    assert not any(os.path.exists(p) for p in targets[:3] + targets[4:])
-    assert not os.path.exists("/tmp/sandbox_evil")
+    assert r.exit_code == 0, r
+    assert not any(os.path.exists(p) for p in targets[:3] + targets[4:]), r.output
+    assert not [x for x in os.listdir("/tmp") if x.startswith("sandbox_evil")]
 
 
 @needs_ns
@@ -237,3 +240,227 @@ def test_run_dirs_of_a_killed_process_are_removed_by_the_next_process():
         assert not os.path.exists(orphan) and os.path.isdir(live)
     finally:
         os.rmdir(live)
+
+
+# THE ATTACK SUITE IN EVERY ISOLATION MODE
+# (a) runs in this process; (b)-(d) re-create the privilege conditions for real in a child that runs
+# this file as a script (`attacks` below) and reports what each attack printed.
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SECRET = "hunter2-secret-token"
+TEST_USER = "sandbox-test"
+# The checkout's own sources, by a path suffix no installed library shares.
+CHECKOUT_SOURCES = ("/train_async_grpo.py", "/envs/sandbox.py", "/envs/retool.py", "/tests/test_sandbox.py")
+ATTACKS = {
+    "walk": (
+        "import os\nfor top, dirs, files in os.walk('/'):\n"
+        "    if top == '/': dirs[:] = [d for d in dirs if d not in ('proc', 'sys', 'dev')]\n"
+        "    for f in files:\n        p = os.path.join(top, f)\n"
+        f"        if p.endswith(('.jsonl', '.safetensors') + {CHECKOUT_SOURCES!r}): print('FOUND', p)\n"
+        "print('walked')"
+    ),
+    "environ": (
+        "import os\nprint(dict(os.environ))\n"
+        "try: pids = [p for p in os.listdir('/proc') if p.isdigit()]\n"
+        "except OSError: pids = range(1, 1 << 15)\n"
+        "for pid in pids:\n"
+        "    try: print(pid, open(f'/proc/{pid}/environ', 'rb').read())\n    except OSError: pass\n"
+        "print('read')"
+    ),
+    "connect": (
+        "import socket, sys\ntry:\n    socket.create_connection(('127.0.0.1', int(PORT)), timeout=2)\n"
+        "    print('CONNECTED')\nexcept OSError as e:\n    print('blocked', e)"
+    ),
+    "kill": (
+        "import os, signal\nsent = 0\n"
+        "try: pids = [int(p) for p in os.listdir('/proc') if p.isdigit()]\n"
+        "except OSError: pids = range(1, 1 << 15)\n"
+        "for pid in [*pids, -1]:\n"
+        "    if pid != os.getpid():\n"
+        "        try: os.kill(pid, signal.SIGKILL); sent += 1\n        except OSError: pass\n"
+        "print('sent', sent)"
+    ),
+}
+
+
+def attack_suite(port: int) -> dict:
+    """Run every attack through one Sandbox; with a sleeper of ours that must outlive them."""
+    import subprocess
+
+    sleeper = subprocess.Popen(["sleep", "300"])
+    sandbox = Sandbox(max_concurrency=2)
+
+    async def all_attacks():
+        codes = [code.replace("PORT", str(port)) for code in ATTACKS.values()]
+        return await asyncio.gather(*(sandbox.run(c, timeout_s=120) for c in codes))
+
+    results = asyncio.run(all_attacks())
+    alive = sleeper.poll() is None
+    sleeper.kill()
+    sleeper.wait()
+    from envs.sandbox import isolation_gaps, visible_paths
+
+    return {
+        "mode": isolation_mode(),
+        "gaps": isolation_gaps(),
+        "install": visible_paths()[0],
+        "sleeper_alive": alive,
+        "outputs": {name: r.output + r.error for name, r in zip(ATTACKS, results, strict=True)},
+    }
+
+
+def check_attacks(report: dict, listener: socket.socket) -> None:
+    out = report["outputs"]
+    assert report["sleeper_alive"], "the sandbox killed a process of ours"
+    found = [line.split(" ", 1)[1] for line in out["walk"].splitlines() if line.startswith("FOUND ")]
+    # The Python install may carry data files of its own (a library's .safetensors); nothing else may.
+    leaked = [p for p in found if not any(p.startswith(d + "/") for d in report["install"])]
+    assert not leaked, f"the code found {leaked}"
+    assert "walked" in out["walk"], out["walk"]
+    assert SECRET not in out["environ"] and "read" in out["environ"], out["environ"][-2000:]
+    assert "CONNECTED" not in out["connect"] and "blocked" in out["connect"], out["connect"]
+    with pytest.raises(BlockingIOError):
+        listener.accept()  # nothing reached our loopback
+    assert "sent" in out["kill"], out["kill"]
+
+
+@pytest.fixture
+def listener():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    s.setblocking(False)
+    yield s
+    s.close()
+
+
+def test_attacks_mode_a_root_with_cap_sys_admin(listener, monkeypatch):
+    if os.geteuid() != 0 or isolation_mode() != "root-ns":
+        pytest.skip(f"this process is not root with CAP_SYS_ADMIN (mode {isolation_mode()!r})")
+    monkeypatch.setenv("SANDBOX_TEST_SECRET", SECRET)
+    check_attacks(attack_suite(listener.getsockname()[1]), listener)
+
+
+def expose_python_shell() -> str:
+    """Shell (run as root in a private mount namespace) making the Python install reachable by other
+    uids: here it lies below /root (mode 700), where a container would have it in /usr/local."""
+    from envs.sandbox import _blocked_ancestors
+
+    lines = ["set -e"]
+    for p in (sys.executable, sys.prefix, sys.base_prefix):
+        for parent, children in _blocked_ancestors(p).items():
+            for child in sorted(children):
+                lines.append(f'S=$(mktemp -d); mount --bind "{parent}/{child}" "$S"')
+                lines.append(f'mount -t tmpfs -o mode=755 tmpfs "{parent}"; mkdir "{parent}/{child}"')
+                lines.append(f'mount --move "$S" "{parent}/{child}"')
+                break  # one ancestor blocked per path is what this machine has; enough for the test
+    return "\n".join(lines)
+
+
+AS_TEST_USER = [f"--reuid={TEST_USER}", f"--regid={TEST_USER}", "--clear-groups"]
+# name: (setpriv arguments for the child, deny it user namespaces?, make Python reachable?, mode expected)
+MODES = {
+    # (b) a default Docker container: root, CAP_SYS_ADMIN out of the bounding set, user namespaces
+    # refused by seccomp; the Python install reachable by others (as in /usr/local).
+    "b-root-without-cap-sys-admin": (["--bounding-set=-sys_admin"], True, True, "seccomp"),
+    # (b') the same with the Python install below a directory others cannot enter (this machine's
+    # /root): the code runs as root with every capability dropped.
+    "b-root-no-cap-sys-admin-python-in-root-dir": (["--bounding-set=-sys_admin"], True, False, "seccomp"),
+    # (c) a plain user where unprivileged user namespaces work.
+    "c-user-with-user-namespaces": (AS_TEST_USER, False, True, "user-ns"),
+    # (d) a plain user without them.
+    "d-user-without-user-namespaces": (AS_TEST_USER, True, True, "seccomp"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", MODES)
+def test_attacks_in_the_other_modes(name, listener):
+    import json
+    import subprocess
+
+    setpriv_args, deny_userns, expose, expected_mode = MODES[name]
+    missing = [t for t in ("setpriv", "unshare", "useradd") if not shutil.which(t)]
+    if os.geteuid() != 0 or missing:
+        pytest.skip(f"needs root to build the mode's conditions; missing: {missing or 'root'}")
+    if TEST_USER in " ".join(setpriv_args):
+        subprocess.run(
+            ["useradd", "--system", "--no-create-home", TEST_USER], capture_output=True, check=False
+        )
+    shell = (expose_python_shell() if expose else "set -e") + '\nexec "$@"'
+    child = [sys.executable, os.path.abspath(__file__), "attacks", str(listener.getsockname()[1])]
+    child += ["--deny-user-namespaces"] if deny_userns else []
+    argv = [
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "--",
+        "sh",
+        "-c",
+        shell,
+        "sh",
+        "setpriv",
+        *setpriv_args,
+        "--",
+        *child,
+    ]
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": REPO, "SANDBOX_TEST_SECRET": SECRET}
+    p = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = json.loads(p.stdout.splitlines()[-1])
+    assert report["mode"] == expected_mode, report
+    assert report["gaps"] == [], report["gaps"]
+    check_attacks(report, listener)
+
+
+def deny_user_namespaces() -> None:
+    """What Docker's default seccomp profile does: unshare() and clone(CLONE_NEWUSER) fail for this
+    process and all it starts (clone3 too: its flags are in memory, so it answers ENOSYS and glibc
+    falls back to clone)."""
+    import errno
+
+    import pyseccomp as sc
+
+    f = sc.SyscallFilter(defaction=sc.ALLOW)
+    f.add_rule(sc.ERRNO(errno.EPERM), "unshare")
+    f.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, 0x10000000, 0x10000000))
+    f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    f.load()
+
+
+# ONE MEMORY BUDGET FOR ALL RUNS
+
+
+def test_eight_memory_creepers_share_one_budget():
+    from envs.sandbox import memory_cgroup
+
+    budget = 512 * 1024**2
+    cgroup = memory_cgroup(budget)
+    if cgroup is None:
+        pytest.skip("no memory cgroup can be made here (not root, or no memory controller)")
+    sandbox = Sandbox(max_concurrency=8, memory_budget_bytes=budget)
+    # Each wants 1 GiB (under RLIMIT_AS), written so every page is charged; together 8 GiB.
+    code = "import time\nx = []\nfor _ in range(64):\n    x.append(b'x' * (16 << 20))\n    time.sleep(0.02)\n"
+    code += "print('survived')"
+
+    async def eight():
+        return await asyncio.gather(*(sandbox.run(code, timeout_s=60) for _ in range(8)))
+
+    results = asyncio.run(eight())
+    assert all("out of memory" in r.error and "survived" not in r.output for r in results), [
+        (r.exit_code, r.error, r.output[-200:]) for r in results
+    ]
+    peak = "memory.max_usage_in_bytes" if cgroup[1] == "v1" else "memory.peak"
+    with open(os.path.join(cgroup[0], peak)) as f:
+        assert int(f.read()) <= budget
+    assert str(os.getpid()) not in open(os.path.join(cgroup[0], "cgroup.procs")).read().split()
+
+
+if __name__ == "__main__" and sys.argv[1] == "attacks":
+    # The child of test_attacks_in_the_other_modes, already under the mode's privileges.
+    import json
+
+    if "--deny-user-namespaces" in sys.argv:
+        deny_user_namespaces()
+        isolation_mode.cache_clear()  # probed at this module's import, before the filter
+    print(json.dumps(attack_suite(int(sys.argv[2]))))
