@@ -126,6 +126,9 @@ parser.add_argument("--max-context", type=int, default=2048, help="prompt + comp
 parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (also for logprobs)")
 parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
 parser.add_argument("--sandbox-workers", type=int, default=8, help="concurrent tool (sandbox) processes")
+parser.add_argument("--unsafe-sandbox", action="store_true",
+                    help="run tools even where the sandbox cannot stop network access, reading the trainer's "
+                    "environment or signalling it (README: Sandbox)")
 parser.add_argument("--keep-zero-variance", action="store_true",
                     help="train on groups whose rewards are all equal (default: skip them)")
 # GRPO loss
@@ -778,9 +781,19 @@ def main(argv: list[str] | None = None) -> None:
 
     env = load_env(args.env)
     make_episode = env.make_episode
+    sandbox_mode = {}  # logged once, in the first step's metrics line
     if "sandbox" in inspect.signature(env.make_episode).parameters:
-        from envs.sandbox import Sandbox
+        from envs.sandbox import Sandbox, isolation_gaps, isolation_mode
 
+        sandbox_mode = {"sandbox/mode": isolation_mode()}
+        if rank == 0:
+            print(f"sandbox isolation: {isolation_mode()}", flush=True)
+        if isolation_gaps() and not args.unsafe_sandbox:
+            sys.exit(
+                f"sandbox isolation {isolation_mode()!r} cannot stop {', '.join(isolation_gaps())} here "
+                "(it needs root with CAP_SYS_ADMIN, user namespaces, or seccomp with Landlock); "
+                "pass --unsafe-sandbox to accept the risk"
+            )
         make_episode = functools.partial(env.make_episode, sandbox=Sandbox(args.sandbox_workers))
     rows = load_rows(args.dataset)
     eval_rows = load_rows(args.eval_dataset, split="test")[: args.eval_limit] if args.eval_every else []
@@ -992,7 +1005,8 @@ def main(argv: list[str] | None = None) -> None:
                 )
                 metrics["perf/eval_s"] = time.monotonic() - t_eval
                 t_last += metrics["perf/eval_s"]  # eval time is not the next step's
-            metrics_file.write(json.dumps(metrics) + "\n")
+            metrics_file.write(json.dumps(metrics | sandbox_mode) + "\n")  # a string: not for the tracker
+            sandbox_mode = {}
             metrics_file.flush()
             tracker.log(metrics, step)
             if step % args.log_completions_every == 0 or step == 1:

@@ -413,6 +413,34 @@ def test_attacks_in_the_other_modes(name, listener):
     check_attacks(report, listener)
 
 
+def test_trainer_refuses_a_sandbox_that_cannot_contain(tmp_path):
+    """Root without CAP_SYS_ADMIN, no user namespaces, and libseccomp's bindings missing: isolation
+    'none'. The trainer names what it cannot stop and the flag, before it loads a model or a server."""
+    import subprocess
+
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv to drop CAP_SYS_ADMIN")
+    argv = ["--model", "models/tiny", "--env", "retool", "--vllm-url", "http://127.0.0.1:9"]
+    argv += ["--output-dir", str(tmp_path), "--max-steps", "1"]
+    code = (
+        "import sys, runpy\nfrom tests.test_sandbox import deny_user_namespaces, isolation_mode\n"
+        "from envs import confine\ndeny_user_namespaces()\n"
+        "sys.modules['pyseccomp'] = None  # the bindings are not installed\n"
+        "isolation_mode.cache_clear(); confine.seccomp_filter.cache_clear()  # probed at import\n"
+        f"sys.argv = ['train_async_grpo.py', *{argv!r}]\n"
+        "runpy.run_path('train_async_grpo.py', run_name='__main__')"
+    )
+    cmd = ["setpriv", "--bounding-set=-sys_admin", "--", sys.executable, "-c", code]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert "sandbox isolation: none" in p.stdout
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "sandbox isolation 'none' cannot stop network access, reading the trainer's environment"
+    )
+    assert "--unsafe-sandbox" in last
+
+
 def deny_user_namespaces() -> None:
     """What Docker's default seccomp profile does: unshare() and clone(CLONE_NEWUSER) fail for this
     process and all it starts (clone3 too: its flags are in memory, so it answers ENOSYS and glibc
