@@ -42,17 +42,20 @@ read-only /sys/fs/cgroup without delegation) only the per-process RLIMIT_AS boun
 import asyncio
 import functools
 import glob
+import json
 import os
 import random
 import resource
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 from envs import confine
@@ -169,17 +172,21 @@ def _python_reachable_by_others() -> bool:
     return not any(_blocked_ancestors(p) for p in (sys.executable, sys.prefix, sys.base_prefix))
 
 
-def _command(mode: str, base: str, uid: int) -> list[str]:
-    """argv of one run; cwd is base/run in the modes without a mount namespace."""
+def _command(mode: str, base: str, uid: int, server_fd: int | None = None) -> list[str]:
+    """argv of one run (cwd is base/run in the modes without a mount namespace); with server_fd, of
+    the namespace modes' fork server instead, which stays the namespaces' root (envs/forkserver.py)."""
     python = [sys.executable, "-I", "main.py"]
     ns = ["--net", "--pid", "--fork", "--kill-child", "--mount", "--propagation", "private"]
+    shell = ["/bin/sh", "-c", _ns_prologue(), "sh", base]
     if mode == "root-ns":
-        drop = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs"]
-        return ["unshare", *ns, "--", "/bin/sh", "-c", _ns_prologue(), "sh", base, *drop, "--", *python]
+        drop = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs", "--"]
     if mode == "user-ns":
-        drop = ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
-        shell = ["/bin/sh", "-c", _ns_prologue(), "sh", base]
-        return ["unshare", "--user", "--map-root-user", *ns, "--", *shell, *drop, "--", *python]
+        drop = ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
+        ns = ["--user", "--map-root-user", *ns]
+    if mode in ("root-ns", "user-ns"):
+        if server_fd is not None:
+            drop, python = [], [sys.executable, "-I", "-c", _forkserver_source(), str(server_fd)]
+        return ["unshare", *ns, "--", *shell, *drop, *python]
     if mode == "seccomp" and os.geteuid() == 0:
         if _python_reachable_by_others():
             return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *python]
@@ -187,9 +194,27 @@ def _command(mode: str, base: str, uid: int) -> list[str]:
     return python
 
 
+@functools.cache
+def _forkserver_source() -> str:
+    return open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "forkserver.py")).read()
+
+
 def _draws_uid(mode: str) -> bool:
     """Does the code run as its own drawn uid (so RLIMIT_NPROC and the kill-by-uid work)?"""
     return mode == "root-ns" or (mode == "seccomp" and os.geteuid() == 0 and _python_reachable_by_others())
+
+
+def _rlimits(timeout_s: float, nproc: int) -> dict[str, tuple[int, int]]:
+    """Per process, inherited by the whole tree (RLIMIT_NPROC: per uid)."""
+    cpu = int(timeout_s) + 1
+    return {
+        "RLIMIT_CPU": (cpu, cpu + 1),
+        "RLIMIT_AS": (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES),
+        "RLIMIT_NPROC": (nproc, nproc),
+        "RLIMIT_FSIZE": (MAX_FILE_BYTES, MAX_FILE_BYTES),
+        "RLIMIT_NOFILE": (MAX_OPEN_FILES, MAX_OPEN_FILES),
+        "RLIMIT_CORE": (0, 0),
+    }
 
 
 def _preexec(mode: str, run_dir: str, timeout_s: float, nproc: int, cgroup_procs: str | None) -> None:
@@ -202,13 +227,8 @@ def _preexec(mode: str, run_dir: str, timeout_s: float, nproc: int, cgroup_procs
     if cgroup_procs:
         with open(cgroup_procs, "w") as f:
             f.write(str(os.getpid()))
-    cpu = int(timeout_s) + 1
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES))
-    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (MAX_FILE_BYTES, MAX_FILE_BYTES))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (MAX_OPEN_FILES, MAX_OPEN_FILES))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    for name, limits in _rlimits(timeout_s, nproc).items():
+        resource.setrlimit(getattr(resource, name), limits)
     if mode == "seccomp":
         readable = visible_paths()[0] + ["/sys/devices/system/cpu"]
         confine.confine(readable, [run_dir] + [f"/dev/{d}" for d in DEVICES])
@@ -426,10 +446,9 @@ async def run_python(
     max_output_bytes: int = MAX_OUTPUT_BYTES,
     memory_budget_bytes: int = MEMORY_BUDGET_BYTES,
 ) -> SandboxResult:
-    """Run `code` as a fresh `python -I main.py` in a fresh directory; see the module docstring.
-
-    No concurrency cap: use a shared `Sandbox` for that. Never raises for anything the code does;
-    a failure to start is reported in `error`.
+    """Run `code` as a fresh `python -I main.py` in a fresh directory (the cold path); see the module
+    docstring. No concurrency cap: use a shared `Sandbox` for that. Never raises for anything the code
+    does; a failure to start is reported in `error`.
     """
     mode = isolation_mode()
     uid = random.SystemRandom().randint(*UID_RANGE)  # OS entropy: immune to random.seed()
@@ -439,7 +458,6 @@ async def run_python(
     ooms_before = _oom_kills(cgroup)
     base = _make_base(mode, uid, code)
     run_dir = os.path.join(base, "run")
-    nproc = _nproc(mode)
     timed_out, error = False, ""
     head, tail, total = b"", b"", 0
     proc = None
@@ -453,7 +471,12 @@ async def run_python(
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
             preexec_fn=functools.partial(
-                _preexec, mode, run_dir, timeout_s, nproc, cgroup and os.path.join(cgroup[0], "cgroup.procs")
+                _preexec,
+                mode,
+                run_dir,
+                timeout_s,
+                _nproc(mode),
+                cgroup and os.path.join(cgroup[0], "cgroup.procs"),
             ),
         )
         drain = asyncio.ensure_future(_drain(proc.stdout, max_output_bytes))
@@ -476,17 +499,23 @@ async def run_python(
     finally:
         shutil.rmtree(base, ignore_errors=True)
     exit_code = None if proc is None else proc.returncode
+    oom = _oom_kills(cgroup) > ooms_before
+    return _result(
+        start, (head, tail, total), exit_code, timed_out, error, timeout_s, oom, memory_budget_bytes
+    )
+
+
+def _result(start, output, exit_code, timed_out, error, timeout_s, oom, budget) -> SandboxResult:
+    """One result, read the same in every mode and on both paths."""
+    head, tail, total = output
     # asyncio reports death by signal N as -N; the shell convention 128+N reads the same in every mode.
     if exit_code is not None and exit_code < 0:
         exit_code = 128 - exit_code
-    oom = _oom_kills(cgroup) > ooms_before
     if timed_out:
         error = f"timed out after {timeout_s:g} s"
     elif oom and exit_code is not None and exit_code != 0:
-        # The namespace modes' pid 1 shell reports its killed child as 128+9 by exit code.
-        error = (
-            f"out of memory: the runs together used up the sandbox budget ({memory_budget_bytes >> 20} MiB)"
-        )
+        # The namespace modes' pid 1 reports its killed child as 128+9 by exit code.
+        error = f"out of memory: the runs together used up the sandbox budget ({budget >> 20} MiB)"
     elif exit_code is not None and exit_code > 128 and not error:
         error = f"killed by signal {exit_code - 128} ({_signal_name(exit_code - 128)})"
     truncated = total > len(head) + len(tail)
@@ -503,6 +532,129 @@ async def run_python(
         duration_s=time.monotonic() - start,
         error=error,
     )
+
+
+# THE WARM PATH: a fork server per Sandbox (envs/forkserver.py), in the namespace modes
+
+
+class _ForkServer:
+    """The server process and our end of its socket. Started by a thread of its own that lives as long
+    as the server: PR_SET_PDEATHSIG fires when the thread that started a process ends."""
+
+    def __init__(self, mode: str, cgroup_procs: str | None):
+        self.mode = mode
+        self.base = _make_base(mode, 0, "")
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.started = threading.Event()
+        self.proc: subprocess.Popen | None = None
+        self.ready: bool | None = None
+        self._ready_lock = threading.Lock()
+
+        def keep() -> None:
+            try:
+                self.proc = subprocess.Popen(
+                    _command(mode, self.base, 0, server_fd=theirs.fileno()),
+                    cwd=os.path.join(self.base, "run"),
+                    env=_env(mode, self.base),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    pass_fds=[theirs.fileno()],
+                    start_new_session=True,
+                    preexec_fn=functools.partial(_server_preexec, cgroup_procs),
+                )
+            finally:
+                theirs.close()
+                self.started.set()
+            self.proc.wait()
+            self.sock.close()  # the next call's send fails: it goes cold, the next Sandbox call restarts
+            shutil.rmtree(self.base, ignore_errors=True)
+
+        threading.Thread(target=keep, daemon=True, name="sandbox-forkserver").start()
+
+    def wait_ready(self, timeout_s: float = 60.0) -> bool:
+        """Blocks until the server has imported numpy and sympy and says so."""
+        with self._ready_lock:  # two event loops may wait at once; the first reads the message
+            if self.ready is None:
+                self.started.wait(timeout_s)
+                self.sock.settimeout(timeout_s)
+                try:
+                    self.ready = self.proc is not None and self.sock.recv(16) == b"ready"
+                except OSError:
+                    self.ready = False
+                finally:
+                    self.sock.settimeout(None)
+            return self.ready
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            _signal_kill(self.proc)
+
+
+def _server_preexec(cgroup_procs: str | None) -> None:
+    confine._libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if cgroup_procs:
+        with open(cgroup_procs, "w") as f:
+            f.write(str(os.getpid()))
+
+
+async def _pipe_reader(fd: int) -> tuple[asyncio.StreamReader, asyncio.BaseTransport]:
+    reader = asyncio.StreamReader()
+    loop = asyncio.get_running_loop()
+    transport, _ = await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader), open(fd, "rb", 0)
+    )
+    return reader, transport
+
+
+async def _run_warm(
+    server: _ForkServer, code: str, timeout_s: float, max_output_bytes: int, budget: int
+) -> SandboxResult | None:
+    """One call through the fork server; None if the server did not take it (the caller goes cold)."""
+    start = time.monotonic()
+    mode = server.mode
+    cgroup = memory_cgroup(budget)
+    ooms_before = _oom_kills(cgroup)
+    req = {
+        "code": code,
+        "timeout_s": timeout_s,
+        "mode": mode,
+        "uid": random.SystemRandom().randint(*UID_RANGE),
+        "env": _env(mode, ""),
+        "rlimits": _rlimits(timeout_s, _nproc(mode)),
+    }
+    out_r, out_w = os.pipe()
+    status_r, status_w = os.pipe()
+    try:
+        socket.send_fds(server.sock, [json.dumps(req).encode()], [out_w, status_w])
+    except OSError:
+        os.close(out_r)
+        os.close(status_r)
+        return None
+    finally:
+        os.close(out_w)
+        os.close(status_w)
+    out, out_transport = await _pipe_reader(out_r)
+    status, status_transport = await _pipe_reader(status_r)
+    head, tail, total, error = b"", b"", 0, ""
+    try:
+        drain = asyncio.ensure_future(_drain(out, max_output_bytes))
+        try:
+            reply = json.loads(await asyncio.wait_for(status.read(), timeout_s + 10) or "{}")
+        except (TimeoutError, ValueError):
+            reply = {}
+        try:
+            head, tail, total = await asyncio.wait_for(drain, 2.0)
+        except TimeoutError:
+            error = "output pipe still open after kill"
+    finally:
+        out_transport.close()
+        status_transport.close()
+    if "status" not in reply:
+        error = f"sandbox fork server failed the call: {reply.get('error', 'no reply')}"
+    oom = _oom_kills(cgroup) > ooms_before
+    exit_code, timed_out = reply.get("status"), reply.get("timed_out", False)
+    return _result(start, (head, tail, total), exit_code, timed_out, error, timeout_s, oom, budget)
 
 
 @functools.cache
@@ -530,15 +682,46 @@ def _signal_name(n: int) -> str:
 
 
 class Sandbox:
-    """Caps how many runs are live at once (share one per trainer); each run is independent.
+    """Caps how many runs are live at once (share one per trainer); each run is independent. In the
+    namespace modes it runs the code through a fork server of its own (warm: numpy and sympy already
+    imported), started on first use; the cold path (`run_python`) is the fallback.
 
     The cap is a thread semaphore polled from async code, not an asyncio.Semaphore: the rollout worker's
     loop and the trainer's eval loop share one Sandbox from two threads, and an asyncio primitive binds
     to the first loop that waits on it (the other loop's tool calls then raised under contention)."""
 
-    def __init__(self, max_concurrency: int = 4, memory_budget_bytes: int = MEMORY_BUDGET_BYTES):
+    def __init__(
+        self, max_concurrency: int = 4, memory_budget_bytes: int = MEMORY_BUDGET_BYTES, warm: bool = True
+    ):
         self._slots = threading.BoundedSemaphore(max_concurrency)
         self.memory_budget_bytes = memory_budget_bytes  # one cgroup for all runs with this budget
+        self.warm = warm
+        self._server: _ForkServer | None = None
+        self._server_lock = threading.Lock()
+        self._server_failed_at = -1e9  # a server that will not start is retried at most once a minute
+
+    async def _warm_server(self) -> _ForkServer | None:
+        with self._server_lock:
+            server = self._server
+            if server is not None and server.sock.fileno() != -1:
+                return server
+            if time.monotonic() - self._server_failed_at < 60:
+                return None
+            cgroup = memory_cgroup(self.memory_budget_bytes)
+            server = self._server = _ForkServer(
+                isolation_mode(), cgroup and os.path.join(cgroup[0], "cgroup.procs")
+            )
+            weakref.finalize(self, server.stop)  # a Sandbox dropped takes its server with it
+        if not await asyncio.to_thread(server.wait_ready):
+            server.stop()
+            self._server_failed_at = time.monotonic()
+            return None
+        return server
+
+    def close(self) -> None:
+        """Stop the fork server (it also dies with this process)."""
+        if self._server is not None:
+            self._server.stop()
 
     async def run(
         self,
@@ -549,6 +732,14 @@ class Sandbox:
         while not self._slots.acquire(blocking=False):
             await asyncio.sleep(0.01)  # a run takes ~100 ms: polling costs nothing that matters
         try:
+            if self.warm and isolation_mode() in ("root-ns", "user-ns"):
+                server = await self._warm_server()
+                if server is not None:
+                    result = await _run_warm(
+                        server, code, timeout_s, max_output_bytes, self.memory_budget_bytes
+                    )
+                    if result is not None:
+                        return result
             return await run_python(code, timeout_s, max_output_bytes, self.memory_budget_bytes)
         finally:
             self._slots.release()

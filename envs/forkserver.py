@@ -1,0 +1,173 @@
+"""The sandbox's warm path: a fork server with numpy and sympy imported, one forked child per call.
+
+envs/sandbox.py starts it as the last step of the namespace modes' set-up, in place of the code:
+`python -I -c <this file's text> FD MODE`, inside the pid, net and mount namespaces and the minimal
+root, as their root (it imports nothing from the project: the checkout is not visible in there). FD is
+a SOCK_SEQPACKET socket: each message is one call, a JSON request with two file descriptors attached,
+the write ends of the call's output pipe and of its status pipe.
+
+Per call (the same limits and the same clean state as a cold run):
+  server ─fork─► A: new mount + pid namespace; fresh tmpfs at /sandbox (the cwd, with main.py), /tmp
+                 and /dev/shm; waits for B with the wall-clock deadline, SIGKILLs it past that, and
+                 writes {"status", "timed_out"} to the status pipe
+     A ─fork─► B: pid 1 of the call's pid namespace, with its own /proc; reaps; exits with C's status,
+                 and its exit takes every process the code left behind with it
+     B ─fork─► C: stdout/stderr to the output pipe, rlimits, drops privileges (root-ns: the drawn
+                 uid; user-ns: every capability), fresh numpy seed, then runs main.py as __main__
+Nothing of a call outlives it: variables, monkeypatched modules and threads die with C's memory, files
+with A's tmpfs.
+"""
+
+import ctypes
+import json
+import os
+import resource
+import select
+import signal
+import socket
+import sys
+import traceback
+import types
+
+import numpy  # noqa: F401  the point of the warm path: imported once, shared by every fork
+import sympy  # noqa: F401
+
+libc = ctypes.CDLL(None, use_errno=True)
+CLONE_NEWNS, CLONE_NEWPID = 0x00020000, 0x20000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
+PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP = 38, 24
+
+
+def check(ret: int, what: str) -> None:
+    if ret != 0:
+        raise OSError(ctypes.get_errno(), what)
+
+
+def mount(source: str, target: str, fstype: str, flags: int, data: str) -> None:
+    check(
+        libc.mount(source.encode(), target.encode(), fstype.encode(), flags, data.encode()), f"mount {target}"
+    )
+
+
+def drop_privileges(mode: str, uid: int) -> None:
+    check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    if mode == "root-ns":
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)  # clears every capability
+        return
+    # user-ns: we are the namespace's only uid; what makes it harmless is having no capability.
+    for cap in range(64):
+        libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    check(libc.capset(header, (ctypes.c_uint32 * 6)()), "capset")
+
+
+def run_code(req: dict, out_fd: int) -> None:
+    """C: never returns."""
+    code = 1
+    try:
+        os.dup2(out_fd, 1)
+        os.dup2(out_fd, 2)
+        os.close(out_fd)
+        null = os.open("/dev/null", os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        for name, value in req["rlimits"].items():
+            resource.setrlimit(getattr(resource, name), (value[0], value[1]))
+        os.chdir("/sandbox")
+        drop_privileges(req["mode"], req["uid"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        numpy.random.seed()  # `random` reseeds itself after fork; numpy's legacy global state does not
+        sys.argv = ["main.py"]
+        main = types.ModuleType("__main__")
+        main.__file__ = "main.py"
+        sys.modules["__main__"] = main
+        source = open("main.py", encoding="utf-8", errors="replace").read()
+        code = 0
+        exec(compile(source, "main.py", "exec"), main.__dict__)
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+    except BaseException as e:
+        code = 1
+        tb = e.__traceback__.tb_next if e.__traceback__ else None  # not this function's frame
+        traceback.print_exception(type(e), e, tb)
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except BaseException:
+                pass
+        os._exit(code & 0xFF)
+
+
+def call(req: dict, out_fd: int, status_fd: int) -> None:
+    """A: never returns."""
+    status, timed_out = -1, False
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.setsid()
+        check(libc.unshare(CLONE_NEWNS | CLONE_NEWPID), "unshare")
+        uid = req["uid"] if req["mode"] == "root-ns" else 0
+        for path in ("/sandbox", "/tmp", "/dev/shm"):
+            mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=1777")
+        os.chown("/sandbox", uid, uid)
+        with open("/sandbox/main.py", "w", encoding="utf-8", errors="replace") as f:
+            f.write(req["code"])
+        b = os.fork()
+        if b == 0:  # B
+            code = 1
+            try:
+                os.close(status_fd)
+                mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "")
+                c = os.fork()
+                if c == 0:
+                    run_code(req, out_fd)
+                os.close(out_fd)
+                while True:
+                    pid, wstatus = os.waitpid(-1, 0)
+                    if pid == c:
+                        code = os.waitstatus_to_exitcode(wstatus)
+                        code = 128 - code if code < 0 else code
+                        break
+            finally:
+                os._exit(code)
+        os.close(out_fd)
+        pidfd = os.pidfd_open(b)
+        timed_out = not select.select([pidfd], [], [], req["timeout_s"])[0]
+        if timed_out:
+            os.kill(b, signal.SIGKILL)
+        status = os.waitstatus_to_exitcode(os.waitpid(b, 0)[1])
+    except BaseException as e:
+        os.write(status_fd, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+        os._exit(1)
+    os.write(status_fd, json.dumps({"status": status, "timed_out": timed_out}).encode())
+    os._exit(0)
+
+
+def serve(fd: int) -> None:
+    sock = socket.socket(fileno=fd)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the calls
+    sock.send(b"ready")
+    while True:
+        msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 2)
+        if not msg:
+            return  # the trainer closed its end: we exit, and the namespaces die with us
+        if len(fds) != 2:
+            for f in fds:
+                os.close(f)
+            continue
+        if os.fork() == 0:
+            sock.close()
+            call(json.loads(msg), *fds)
+        for f in fds:
+            os.close(f)
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]))
