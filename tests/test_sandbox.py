@@ -21,7 +21,9 @@ def run(code: str, timeout_s: float = 3.0, **kw):
 
 
 def temp_dirs() -> set[str]:
-    return {d for d in os.listdir("/tmp") if d.startswith(f"sandbox-{os.getpid()}-")}  # ours, not other tests'
+    return {
+        d for d in os.listdir("/tmp") if d.startswith(f"sandbox-{os.getpid()}-")
+    }  # ours, not other tests'
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -187,6 +189,36 @@ def test_background_children_do_not_survive():
     assert r.output == "parent done\n" and not r.timed_out, r
     assert r.duration_s < 3, "waited for the background children"
     assert sandbox_processes() == [], "a background child survived"
+
+
+@needs_ns
+def test_warm_path_starts_every_call_clean():
+    """A variable, a file (cwd and /tmp), a monkeypatched module, a thread and a background process of
+    one warm call are gone in the next; numpy is already imported when the code starts (the fork
+    server's), so this is the warm path, not the cold fallback."""
+    sandbox = Sandbox(max_concurrency=1)
+    dirty = (
+        "import builtins, os, threading, time, numpy, subprocess\n"
+        "X = 1; builtins.LEAK = 1; numpy.arange = None\n"
+        "open('left', 'w').write('x'); open('/tmp/left', 'w').write('x')\n"
+        "threading.Thread(target=time.sleep, args=(60,)).start()\n"
+        "subprocess.Popen(['sleep', '60'])\nprint('dirty')"
+    )
+    check = (
+        "import sys\nprint('warm' if 'numpy' in sys.modules else 'cold')\n"
+        "import builtins, os, threading, numpy\n"
+        "print('X' in globals(), hasattr(builtins, 'LEAK'), numpy.arange(3).sum())\n"
+        "print(os.path.exists('left'), os.path.exists('/tmp/left'), threading.active_count())\n"
+        "print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()) == sorted({1, os.getpid()}))"
+    )
+
+    async def two():
+        return await sandbox.run(dirty, timeout_s=10), await sandbox.run(check, timeout_s=10)
+
+    first, second = asyncio.run(two())
+    assert first.output == "dirty\n" and first.exit_code == 0, first
+    assert second.output == "warm\nFalse False 3\nFalse False 1\nTrue\n", second
+    sandbox.close()
 
 
 def test_concurrency_cap_across_event_loops():
