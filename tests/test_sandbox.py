@@ -306,14 +306,19 @@ ATTACKS = {
         "import socket, sys\ntry:\n    socket.create_connection(('127.0.0.1', int(PORT)), timeout=2)\n"
         "    print('CONNECTED')\nexcept OSError as e:\n    print('blocked', e)"
     ),
+    # SIGKILL to the test's own processes (TARGETS: this process, its parent, its sleeper), and
+    # signal 0 to every other visible pid: the same permission checks, but a sandbox that regresses
+    # fails this test instead of killing every process of the machine.
     "kill": (
-        "import os, signal\nsent = 0\n"
+        "import os, signal\n"
+        "for pid in TARGETS:\n"
+        "    try: os.kill(pid, signal.SIGKILL); print('KILLED', pid)\n    except OSError: pass\n"
         "try: pids = [int(p) for p in os.listdir('/proc') if p.isdigit()]\n"
         "except OSError: pids = range(1, 1 << 15)\n"
         "for pid in [*pids, -1]:\n"
         "    if pid != os.getpid():\n"
-        "        try: os.kill(pid, signal.SIGKILL); sent += 1\n        except OSError: pass\n"
-        "print('sent', sent)"
+        "        try: os.kill(pid, 0); print('SIGNALLABLE', pid)\n        except OSError: pass\n"
+        "print('done')"
     ),
 }
 
@@ -324,9 +329,12 @@ def attack_suite(port: int) -> dict:
 
     sleeper = subprocess.Popen(["sleep", "300"])
     sandbox = Sandbox(max_concurrency=2)
+    targets = [os.getpid(), os.getppid(), sleeper.pid]
 
     async def all_attacks():
-        codes = [code.replace("PORT", str(port)) for code in ATTACKS.values()]
+        codes = [
+            code.replace("PORT", str(port)).replace("TARGETS", str(targets)) for code in ATTACKS.values()
+        ]
         return await asyncio.gather(*(sandbox.run(c, timeout_s=120) for c in codes))
 
     results = asyncio.run(all_attacks())
@@ -356,7 +364,9 @@ def check_attacks(report: dict, listener: socket.socket) -> None:
     assert "CONNECTED" not in out["connect"] and "blocked" in out["connect"], out["connect"]
     with pytest.raises(BlockingIOError):
         listener.accept()  # nothing reached our loopback
-    assert "sent" in out["kill"], out["kill"]
+    assert "done" in out["kill"] and "KILLED" not in out["kill"], out["kill"]
+    if report["mode"] not in ("root-ns", "user-ns"):  # there the pids seen are the run's own namespace
+        assert "SIGNALLABLE" not in out["kill"], out["kill"]
 
 
 @pytest.fixture
