@@ -1,12 +1,14 @@
-"""Sandbox latency and throughput, beside a bare `python -I` subprocess doing the same work.
+"""Sandbox latency and throughput: the warm path (fork server) beside the cold path (a fresh process
+per call), and the cold path beside a bare `python -I` subprocess doing the same work.
 
     python bench/bench_sandbox.py [--n 40] [--cap 8] [--out bench/results.json]
 
-1. p50/p99 wall time of `print(1)` and of `import numpy`, sequential calls, alternating with a bare
+1. p50/p99 wall time of `print(1)` and of `import numpy`, sequential cold calls, alternating with a bare
    `python -I -c CODE` subprocess (no isolation, no fresh directory), so the ratio is the sandbox's cost
    over the interpreter's own start-up, the floor.
-2. calls/s of `print(1)` through one `Sandbox(max_concurrency=cap)` (the trainer's --sandbox-workers),
-   beside the same number of bare subprocesses at the same concurrency.
+2. p50 of `import numpy as np; print(np.arange(3).sum())`, warm and cold calls alternating.
+3. calls/s of `print(1)` through one `Sandbox(max_concurrency=cap)` (the trainer's --sandbox-workers),
+   warm and cold, beside the same number of bare subprocesses at the same concurrency.
 Prints one JSON object; with --out it is merged into that results file.
 """
 
@@ -21,6 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file from anywhere
 from bench.results import merge_results  # noqa: E402
 from envs.sandbox import Sandbox, isolation_mode, run_python  # noqa: E402
+
+NUMPY_SNIPPET = "import numpy as np; print(np.arange(3).sum())"
 
 
 async def bare_python(code: str) -> float:
@@ -57,12 +61,39 @@ async def latency(code: str, n: int) -> dict:
     }  # fmt: skip
 
 
-async def calls_per_s(n: int, cap: int) -> tuple[float, float]:
-    sandbox = Sandbox(max_concurrency=cap)
+async def warm_vs_cold(n: int) -> dict:
+    warm, cold = Sandbox(max_concurrency=1), Sandbox(max_concurrency=1, warm=False)
+    await warm.run("print(1)")  # start the fork server (numpy and sympy imports) outside the timing
+    w, c = [], []
+    for _ in range(n):  # alternate, so drift in a shared machine hits both alike
+        for sandbox, times in ((warm, w), (cold, c)):
+            r = await sandbox.run(NUMPY_SNIPPET, timeout_s=30)
+            assert r.output == "3\n", r
+            times.append(r.duration_s)
+    warm.close()
+    (w50, w99), (c50, c99) = p50_p99(w), p50_p99(c)
+    return {
+        "warm_p50_ms": round(w50 * 1000, 1), "warm_p99_ms": round(w99 * 1000, 1),
+        "cold_p50_ms": round(c50 * 1000, 1), "cold_p99_ms": round(c99 * 1000, 1),
+        "warm_over_cold": round(w50 / c50, 3),
+    }  # fmt: skip
+
+
+async def sandbox_calls_per_s(n: int, cap: int, warm: bool) -> float:
+    sandbox = Sandbox(max_concurrency=cap, warm=warm)
+    await sandbox.run("print(1)")  # the fork server starts outside the timing
     t0 = time.monotonic()
     results = await asyncio.gather(*(sandbox.run("print(1)", timeout_s=30) for _ in range(n)))
-    ours = n / (time.monotonic() - t0)
-    assert all(r.output == "1\n" for r in results)
+    calls_per_s = n / (time.monotonic() - t0)
+    assert all(r.output == "1\n" for r in results), [r for r in results if r.output != "1\n"][:1]
+    sandbox.close()
+    return calls_per_s
+
+
+async def calls_per_s(n: int, cap: int) -> tuple[float, float, float]:
+    """(warm, cold, bare) calls/s at concurrency `cap`."""
+    warm = await sandbox_calls_per_s(n, cap, warm=True)
+    ours = await sandbox_calls_per_s(n, cap, warm=False)
     sem = asyncio.Semaphore(cap)
 
     async def one():
@@ -71,7 +102,7 @@ async def calls_per_s(n: int, cap: int) -> tuple[float, float]:
 
     t0 = time.monotonic()
     await asyncio.gather(*(one() for _ in range(n)))
-    return ours, n / (time.monotonic() - t0)
+    return warm, ours, n / (time.monotonic() - t0)
 
 
 def main() -> None:
@@ -81,7 +112,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="JSON results file to merge into")
     args = p.parse_args()
     asyncio.run(latency("print(1)", 2))  # warm-up: isolation probe, page cache
-    ours, bare = asyncio.run(calls_per_s(4 * args.n, args.cap))
+    warm, ours, bare = asyncio.run(calls_per_s(4 * args.n, args.cap))
     command = "python bench/bench_sandbox.py " + " ".join(sys.argv[1:])
     result = {
         "sandbox": {
@@ -90,7 +121,11 @@ def main() -> None:
             "calls_per_s_at_cap": round(ours, 1),
             "bare_calls_per_s_at_cap": round(bare, 1),
             "calls_per_s_over_bare": round(ours / bare, 2),
-            "settings": f"isolation {isolation_mode()}, {args.n} sequential calls per latency, "
+            "numpy_snippet": asyncio.run(warm_vs_cold(args.n)),
+            "warm_calls_per_s_at_cap": round(warm, 1),
+            "warm_over_cold_calls_per_s": round(warm / ours, 2),
+            "settings": f"isolation {isolation_mode()}, {args.n} sequential calls per latency (cold unless "
+            "named warm), "
             f"{4 * args.n} print(1) calls at concurrency {args.cap}",
             "command": command,
         }

@@ -56,6 +56,20 @@ def rows(r: dict) -> list[tuple[str, str, str, str]]:
             f"{b['calls_per_s_at_cap']} ({b['calls_per_s_over_bare']}x bare)",
             "CPU: process start-ups on 2 cores", b["command"],
         ))  # fmt: skip
+        if "numpy_snippet" in b:
+            x = b["numpy_snippet"]
+            out.append((
+                "5. sandbox warm / cold p50, `import numpy as np; print(np.arange(3).sum())`",
+                f"{x['warm_over_cold']}x ({x['warm_p50_ms']} / {x['cold_p50_ms']} ms; target ≤ 0.33x)",
+                "warm: three forks, a fresh mount and pid namespace per call; cold: interpreter and numpy "
+                "start-up", b["command"],
+            ))  # fmt: skip
+            out.append((
+                "5. sandbox warm / cold calls/s at the concurrency cap",
+                f"{b['warm_over_cold_calls_per_s']}x ({b['warm_calls_per_s_at_cap']} / "
+                f"{b['calls_per_s_at_cap']}; target ≥ 3x)",
+                "CPU on 2 cores: forks and namespace set-up and teardown", b["command"],
+            ))  # fmt: skip
     if "rollout_scaling_tok_s" in r:
         c = r["rollout_scaling_tok_s"]
         conc = [k for k in c if k.isdigit()]

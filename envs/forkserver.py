@@ -10,15 +10,16 @@ Per call (the same limits and the same clean state as a cold run):
   server ─fork─► A: new mount + pid namespace; fresh tmpfs at /sandbox (the cwd, with main.py), /tmp
                  and /dev/shm; waits for B with the wall-clock deadline, SIGKILLs it past that, and
                  writes {"status", "timed_out"} to the status pipe
-     A ─fork─► B: pid 1 of the call's pid namespace, with its own /proc; reaps; exits with C's status,
-                 and its exit takes every process the code left behind with it
-     B ─fork─► C: stdout/stderr to the output pipe, rlimits, drops privileges (root-ns: the drawn
-                 uid; user-ns: every capability), fresh numpy seed, then runs main.py as __main__
-Nothing of a call outlives it: variables, monkeypatched modules and threads die with C's memory, files
-with A's tmpfs.
+     A ─fork─► B: pid 1 of the call's pid namespace: its own /proc, stdout/stderr to the output pipe,
+                 rlimits, drops privileges (root-ns: the drawn uid; user-ns: every capability), fresh
+                 numpy seed, then runs main.py as __main__. Its exit takes every process the code
+                 left behind with it (as pid 1, it ignores signals it sends itself without a handler)
+Nothing of a call outlives it: variables, monkeypatched modules and threads die with B's memory, files
+with A's tmpfs. Two forks per call, not three: each copies the page tables of a heap holding sympy.
 """
 
 import ctypes
+import gc
 import json
 import os
 import resource
@@ -30,6 +31,7 @@ import traceback
 import types
 
 import numpy  # noqa: F401  the point of the warm path: imported once, shared by every fork
+import numpy.random  # numpy imports it lazily; the children reseed it
 import sympy  # noqa: F401
 
 libc = ctypes.CDLL(None, use_errno=True)
@@ -64,7 +66,7 @@ def drop_privileges(mode: str, uid: int) -> None:
 
 
 def run_code(req: dict, out_fd: int) -> None:
-    """C: never returns."""
+    """B: never returns."""
     code = 1
     try:
         os.dup2(out_fd, 1)
@@ -76,6 +78,7 @@ def run_code(req: dict, out_fd: int) -> None:
         for name, value in req["rlimits"].items():
             resource.setrlimit(getattr(resource, name), (value[0], value[1]))
         os.chdir("/sandbox")
+        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "")  # of the call's pid namespace
         drop_privileges(req["mode"], req["uid"])
         os.environ.clear()
         os.environ.update(req["env"])
@@ -121,22 +124,8 @@ def call(req: dict, out_fd: int, status_fd: int) -> None:
             f.write(req["code"])
         b = os.fork()
         if b == 0:  # B
-            code = 1
-            try:
-                os.close(status_fd)
-                mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "")
-                c = os.fork()
-                if c == 0:
-                    run_code(req, out_fd)
-                os.close(out_fd)
-                while True:
-                    pid, wstatus = os.waitpid(-1, 0)
-                    if pid == c:
-                        code = os.waitstatus_to_exitcode(wstatus)
-                        code = 128 - code if code < 0 else code
-                        break
-            finally:
-                os._exit(code)
+            os.close(status_fd)
+            run_code(req, out_fd)
         os.close(out_fd)
         pidfd = os.pidfd_open(b)
         timed_out = not select.select([pidfd], [], [], req["timeout_s"])[0]
@@ -151,6 +140,9 @@ def call(req: dict, out_fd: int, status_fd: int) -> None:
 
 
 def serve(fd: int) -> None:
+    # The imports' objects move to a generation the collector never scans: a collection in a call
+    # would otherwise touch every one of them and copy the whole heap page by page (copy-on-write).
+    gc.freeze()
     sock = socket.socket(fileno=fd)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the calls
     sock.send(b"ready")
