@@ -61,7 +61,7 @@ def rows(r: dict) -> list[tuple[str, str, str, str]]:
             out.append((
                 "5. sandbox warm / cold p50, `import numpy as np; print(np.arange(3).sum())`",
                 f"{x['warm_over_cold']}x ({x['warm_p50_ms']} / {x['cold_p50_ms']} ms; target ≤ 0.33x)",
-                "warm: three forks, a fresh mount and pid namespace per call; cold: interpreter and numpy "
+                "warm: two forks, a fresh mount and pid namespace per call; cold: interpreter and numpy "
                 "start-up", b["command"],
             ))  # fmt: skip
             out.append((
