@@ -221,6 +221,45 @@ def test_warm_path_starts_every_call_clean():
     sandbox.close()
 
 
+@needs_ns
+def test_fork_server_dies_with_a_killed_parent():
+    """SIGKILL of the process that owns a Sandbox takes its fork server and the call in flight with it
+    (PR_SET_PDEATHSIG on the server's first process; the namespaces die with it)."""
+    import signal
+    import subprocess
+
+    code = (
+        "import asyncio, envs.sandbox as s\nsb = s.Sandbox(2)\n"
+        "asyncio.run(sb.run(\"print('started', flush=True); import time; time.sleep(60)\", timeout_s=120))"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=REPO)
+    marker = b"The sandbox's warm path"  # in the fork server's command line (python -c <its source>)
+
+    def servers() -> list[int]:
+        found = []
+        for pid in os.listdir("/proc"):
+            try:
+                if pid.isdigit() and marker in open(f"/proc/{pid}/cmdline", "rb").read():
+                    found.append(int(pid))
+            except OSError:
+                pass
+        return found
+
+    before = set(servers())
+    deadline = time.monotonic() + 60
+    while not (set(servers()) - before) or not sandbox_processes():
+        assert time.monotonic() < deadline and parent.poll() is None, "the warm call did not start"
+        time.sleep(0.2)
+    mine = set(servers()) - before
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while (mine & set(servers()) or sandbox_processes()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not mine & set(servers()), "the fork server outlived its killed parent"
+    assert sandbox_processes() == [], "the call outlived its killed parent"
+
+
 def test_concurrency_cap_across_event_loops():
     """One Sandbox serves the rollout worker's loop and the trainer's eval loop at once (two threads):
     the cap holds across both, and neither loop trips over a primitive bound to the other."""
@@ -504,14 +543,15 @@ def deny_user_namespaces() -> None:
 # ONE MEMORY BUDGET FOR ALL RUNS
 
 
-def test_eight_memory_creepers_share_one_budget():
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+def test_eight_memory_creepers_share_one_budget(warm):
     from envs.sandbox import memory_cgroup
 
     budget = 512 * 1024**2
     cgroup = memory_cgroup(budget)
     if cgroup is None:
         pytest.skip("no memory cgroup can be made here (not root, or no memory controller)")
-    sandbox = Sandbox(max_concurrency=8, memory_budget_bytes=budget)
+    sandbox = Sandbox(max_concurrency=8, memory_budget_bytes=budget, warm=warm)
     # Each wants 1 GiB (under RLIMIT_AS), written so every page is charged; together 8 GiB.
     code = "import time\nx = []\nfor _ in range(64):\n    x.append(b'x' * (16 << 20))\n    time.sleep(0.02)\n"
     code += "print('survived')"
