@@ -49,12 +49,13 @@ def rows(r: dict) -> list[tuple[str, str, str, str]]:
             out.append((
                 f"5. sandbox {name} p50 / p99 (vs bare `python -I`)",
                 f"{x['p50_ms']} / {x['p99_ms']} ms ({x['p50_over_bare']}x bare p50 {x['bare_p50_ms']} ms)",
-                "interpreter start-up (and numpy's import) of a fresh process", b["command"],
+                "cold path: the minimal root's ~30 mount commands, then interpreter start-up (and numpy's "
+                "import) in a fresh process", b["command"],
             ))  # fmt: skip
         out.append((
             "5. sandbox calls/s at the concurrency cap (vs bare)",
             f"{b['calls_per_s_at_cap']} ({b['calls_per_s_over_bare']}x bare)",
-            "CPU: process start-ups on 2 cores", b["command"],
+            "CPU: process start-ups (cold path) on 2 cores", b["command"],
         ))  # fmt: skip
         if "numpy_snippet" in b:
             x = b["numpy_snippet"]
