@@ -403,16 +403,20 @@ def token_logprobs(model, input_ids, position_ids, temperature: float, with_entr
 # ---------------------------------------------------------------------------------------------------
 # TRAIN STEP: every rank holds the whole batch and trains on its share of the micro-batches
 # ---------------------------------------------------------------------------------------------------
-def train_step(model, ref_model, optimizer, scheduler, seqs, args, rank, world_size, device) -> dict:
+def train_step(
+    model, ref_model, optimizer, scheduler, seqs, args, rank, world_size, device, traced: dict | None = None
+) -> dict:
     """Forward/backward over this rank's packed micro-batches, then one clipped AdamW step. The loss
     denominators count the whole batch (all micro-batches, all ranks); FSDP averages gradients over
     ranks, so each rank's loss is scaled by world_size and the update is the one-process update.
-    Returns the train/ metrics of the whole batch."""
+    Returns the train/ metrics of the whole batch. Sequences carrying a "trace" key (the completions
+    logged this step) get this forward's logprobs (π_old, detached) in `traced` on rank 0, keyed by it."""
     bins = pack(seqs, args.micro_batch_tokens)
     total_tokens = float(sum(sum(s["mask"]) for s in seqs))
     num_sequences = float(sum(1 for s in seqs if sum(s["mask"]) > 0))
     sums: dict[str, float] = {}
     maxima = {"is_ratio_max": 0.0}
+    traced_here: dict[int, list[float]] = {}
     optimizer.zero_grad(set_to_none=True)
     for mb_seqs in rank_micro_batches(seqs, bins, rank, world_size):
         mb = collate(mb_seqs, device)
@@ -431,6 +435,7 @@ def train_step(model, ref_model, optimizer, scheduler, seqs, args, rank, world_s
             entropy=entropy,
         )  # fmt: skip
         (loss * world_size).backward()
+        keep_traced(traced_here, mb_seqs, logprobs)
         sums["loss"] = sums.get("loss", 0.0) + loss.item()
         for k, v in m.items():
             if k == "is_ratio_max":
@@ -438,6 +443,10 @@ def train_step(model, ref_model, optimizer, scheduler, seqs, args, rank, world_s
             else:
                 sums[k] = sums.get(k, 0.0) + v.item()
     sums, maxima = reduce_over_ranks(sums, maxima, world_size, device)
+    if any("trace" in s for s in seqs):
+        gathered = gather_traced(traced_here, world_size)
+        if traced is not None:
+            traced.update(gathered)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
     grad_norm = getattr(grad_norm, "full_tensor", lambda: grad_norm)()  # FSDP: a replicated DTensor
     lr = scheduler.get_last_lr()[0]
@@ -459,6 +468,28 @@ def train_step(model, ref_model, optimizer, scheduler, seqs, args, rank, world_s
         "train/loss_tokens": sums.get("tokens", 0.0),
         "train/micro_batches": float(len(bins)),
     }
+
+
+def keep_traced(traced: dict[int, list[float]], mb_seqs: list[dict], logprobs: torch.Tensor) -> None:
+    """For the rollout viewer: the logprobs of this micro-batch's sequences that carry a "trace" key
+    (its value is the key in `traced`), over all their tokens, detached. A filler micro-batch copies
+    a real one, so it writes the same values again."""
+    offset = 0
+    for s in mb_seqs:
+        n = len(s["ids"])
+        if "trace" in s:
+            traced[s["trace"]] = logprobs[offset : offset + n].detach().float().cpu().tolist()
+        offset += n
+
+
+def gather_traced(traced: dict[int, list[float]], world_size: int) -> dict[int, list[float]]:
+    """Each rank knows the traced sequences of its own micro-batches only: gather them on rank 0 (a few
+    sequences, on the steps that log completions)."""
+    if world_size == 1:
+        return traced
+    parts = [None] * world_size if dist.get_rank() == 0 else None
+    dist.gather_object(traced, parts, dst=0)
+    return {k: v for part in parts or [] for k, v in part.items()}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -664,20 +695,136 @@ def rollout_metrics(groups, dropped: int, skipped: int) -> dict[str, float]:
     return m
 
 
-def trajectory_record(group, completion, step: int, tokenizer) -> dict:
+# A completions.jsonl row holds at most this many completion tokens (token arrays and "text"; the rest
+# is counted in "tokens_dropped"), tool results of at most 1000 characters and prompt messages of at most
+# 2000: with ≈ 50 bytes of JSON per token a row stays under ~250 KB.
+MAX_LOGGED_TOKENS = 4096
+
+
+def logged_completions(groups) -> list[tuple[int, int, int]]:
+    """(group index, completion index, sequence index in batch_sequences) of the completions written to
+    completions.jsonl: in each of the first two groups, the best- and the worst-rewarded completion (the
+    contrast the group's advantages are made of; the first two when all rewards are equal)."""
+    chosen, first_seq = [], 0
+    for gi, g in enumerate(groups):
+        if gi < 2:
+            best = max(range(len(g.rewards)), key=lambda i: g.rewards[i])
+            worst = min(range(len(g.rewards)), key=lambda i: g.rewards[i])
+            for ci in [0, 1] if best == worst else [best, worst]:
+                chosen.append((gi, ci, first_seq + ci))
+        first_seq += len(g.completions)
+    return chosen
+
+
+def token_pieces(tokenizer, ids: list[int]) -> list[str]:
+    """Each token's text, so that "".join(pieces) == decode(ids) for byte-level BPE (Qwen, Llama 3): a
+    character split over several tokens goes whole to the token that completes it, the others get ""."""
+    pieces, start = [], 0
+    for k in range(len(ids)):
+        text = tokenizer.decode(ids[start : k + 1], skip_special_tokens=False)
+        if text.endswith("\ufffd") and k - start < 3:  # an incomplete UTF-8 character so far
+            pieces.append("")
+            continue
+        pieces.append(text)
+        start = k + 1
+    return pieces
+
+
+def tool_output_kinds(pieces: list[str], results: list[str]) -> str:
+    """For the tokens a tool turn appended (rendered template suffix): "t" where a token's text overlaps
+    a tool result, "c" (chat template: turn closer, role headers, <tool_response> tags) elsewhere. The
+    template inserts each result verbatim, so its first occurrence after the previous one is where it
+    landed; a result cut by the context budget matches as far as it goes."""
+    text, spans, pos = "".join(pieces), [], 0
+    for r in results:
+        i = text.find(r[:64], pos) if r else -1
+        if i < 0:  # cut by the context budget: the longest head of r that ends the text
+            n = next((n for n in range(min(len(r), len(text) - pos), 0, -1) if text.endswith(r[:n])), 0)
+            i = len(text) - n if n else -1
+        if i < 0:
+            continue
+        n = 0
+        while n < len(r) and i + n < len(text) and text[i + n] == r[n]:
+            n += 1
+        spans.append((i, i + n))
+        pos = i + n
+    kinds, start = [], 0
+    for p in pieces:
+        end = start + len(p)
+        kinds.append("t" if any(a < max(end, start + 1) and start < b for a, b in spans) else "c")
+        start = end
+    return "".join(kinds)
+
+
+def trajectory_record(
+    group, index: int, step: int, tokenizer, trainer_logprobs: list[float] | None = None,
+    is_cap: float = math.inf,
+) -> dict:  # fmt: skip
+    """One completions.jsonl row: what scripts/view_rollouts.py shows. The token arrays run over the
+    completion (not the prompt), aligned with completion_ids: mask 1 = trained; kind "m" model-generated
+    (trained), "t" tool output, "c" chat-template glue; behaviour_logprob μ (null off the mask);
+    trainer_logprob π_old from the forward of the step that trained it (every token); is_weight the
+    loss's min(π_old/μ, C) (null off the mask). `turns` give each turn's span: `generated` tokens, then
+    `appended` ones (tool responses + next header)."""
+    completion = group.completions[index]
+    ids = completion.completion_ids[:MAX_LOGGED_TOKENS]
+    n_prompt = len(group.prompt_ids)
+    trainer = (trainer_logprobs or [])[n_prompt : n_prompt + len(ids)]
+    trainer = trainer if len(trainer) == len(ids) else [None] * len(ids)
+    pieces, kinds, turns, calls = [], [], [], []
+    for t_index, t in enumerate(completion.turns):
+        start = len(pieces)
+        if start >= len(ids):
+            break
+        gen = token_pieces(tokenizer, list(t.generated_ids))
+        app = token_pieces(tokenizer, list(t.appended_ids))
+        pieces += gen + app
+        kinds.append("m" * len(gen) + tool_output_kinds(app, [c.result for c in t.tool_calls]))
+        turns.append({
+            "start": start, "generated": len(gen), "appended": len(app),
+            "model_versions": list(t.model_versions), "finish_reason": t.finish_reason,
+            "generation_s": round(t.generation_s, 4), "tool_s": round(t.tool_s, 4),
+        })  # fmt: skip
+        calls += [
+            {"name": c.name, "arguments": c.arguments, "result": c.result[:1000], "failed": c.failed,
+             "duration_s": round(c.duration_s, 4), "turn": t_index}
+            for c in t.tool_calls
+        ]  # fmt: skip
+    mask = completion.loss_mask[: len(ids)]
+    mu = completion.behaviour_logprobs[: len(ids)]
+    rnd = lambda x: None if x is None else round(x, 4)  # noqa: E731
     return {
         "step": step,
         "question": group.row.get("question"),
         "answer": group.row.get("answer"),
-        "text": tokenizer.decode(group.prompt_ids + completion.completion_ids, skip_special_tokens=False),
+        "text": tokenizer.decode(group.prompt_ids + ids, skip_special_tokens=False),
         "reward": completion.reward,
         "stop_reason": completion.stop_reason,
-        "tool_calls": [
-            {"name": c.name, "arguments": c.arguments, "result": c.result[:1000], "failed": c.failed}
-            for c in completion.tool_calls
-        ],
+        "tool_calls": calls,
         "admitted_version": group.admitted_version,
         "row_index": group.row.get("_index"),
+        "advantage": group.advantages[index],
+        "completion_index": index,
+        "staleness": getattr(group, "staleness", None),
+        "model_versions": list(completion.model_versions),
+        "prompt_tokens": n_prompt,
+        "prompt_messages": [
+            {"role": m.get("role"), "content": str(m.get("content"))[:2000]} for m in group.prompt_messages
+        ],
+        "turns": turns,
+        "tokens": {
+            "ids": ids,
+            "pieces": pieces[: len(ids)],
+            "mask": mask,
+            "kind": "".join(kinds)[: len(ids)],
+            "behaviour_logprob": [rnd(b) if m else None for b, m in zip(mu, mask)],
+            "trainer_logprob": [rnd(p) for p in trainer],
+            "is_weight": [
+                rnd(min(math.exp(p - b), is_cap)) if m and p is not None else None
+                for p, b, m in zip(trainer, mu, mask)
+            ],
+        },
+        "tokens_dropped": len(completion) - len(ids),
     }
 
 
@@ -943,8 +1090,15 @@ def main(argv: list[str] | None = None) -> None:
             # Every rank gets the batch and trains on its share of it (train_step).
             t_train = time.monotonic()
             seqs = batch_sequences(groups)
+            # The completions logged this step carry a "trace" key: train_step returns their logprobs.
+            logging = (step + 1) % args.log_completions_every == 0 or step == 0
+            logged, traced = logged_completions(groups) if logging else [], {}
+            for _, _, i in logged:
+                seqs[i]["trace"] = i
             broadcast_message({"batch": seqs}, world_size)
-            train = train_step(model, ref_model, optimizer, scheduler, seqs, args, rank, world_size, device)
+            train = train_step(
+                model, ref_model, optimizer, scheduler, seqs, args, rank, world_size, device, traced
+            )
             step += 1
             train_s = time.monotonic() - t_train
 
@@ -995,10 +1149,10 @@ def main(argv: list[str] | None = None) -> None:
             metrics_file.write(json.dumps(metrics) + "\n")
             metrics_file.flush()
             tracker.log(metrics, step)
-            if step % args.log_completions_every == 0 or step == 1:
-                for g in groups[:2]:
-                    for c in g.completions[:2]:
-                        completions_file.write(json.dumps(trajectory_record(g, c, step, tokenizer)) + "\n")
+            if logged:
+                for gi, ci, i in logged:
+                    row = trajectory_record(groups[gi], ci, step, tokenizer, traced.get(i), args.is_cap)
+                    completions_file.write(json.dumps(row) + "\n")
                 completions_file.flush()
             bar.update(1)
             bar.set_postfix(
