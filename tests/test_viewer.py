@@ -135,7 +135,7 @@ def test_rows_carry_the_token_view(recorded_run):
     assert {"m", "t", "c"} <= set(kinds)  # tiny-warm calls the tool: trained, tool and template tokens
     # The trainer's logprobs are those of the tokens vLLM sampled (an off-by-one shift would put them
     # nats apart): the same weights at step 1, so they agree up to kernels and sampling processors.
-    deltas = sorted(
+    deltas = [
         abs(pi - mu)
         for r in rows
         if r["step"] == 1
@@ -143,8 +143,10 @@ def test_rows_carry_the_token_view(recorded_run):
             r["tokens"]["trainer_logprob"], r["tokens"]["behaviour_logprob"], r["tokens"]["mask"]
         )
         if m
-    )
-    assert deltas[len(deltas) // 2] < 0.02, deltas[len(deltas) // 2]
+    ]
+    # Mean, not median: the tiny model is so sure of most tokens that a shifted array's median is small
+    # too (measured: mean 0.016 aligned, 0.51 shifted by one token).
+    assert sum(deltas) / len(deltas) < 0.1, sum(deltas) / len(deltas)
 
 
 # ---------------------------------------------------------------------------------------------------
