@@ -185,8 +185,10 @@ def test_page_shows_every_completion_with_tokens_by_kind_hover_and_colour_toggle
     before = background(token)
     page.select_option("#colour", "delta")
     in_delta = background(token)
+    assert in_delta != background(tmpl)  # a bucket's colour, not the grey of untrained tokens
     page.select_option("#colour", "weight")
     in_weight = background(token)
+    assert in_weight != background(tmpl)
     assert len({before, in_delta, in_weight}) == 3, (before, in_delta, in_weight)
     page.select_option("#colour", "mask")
     assert background(token) == before
