@@ -59,6 +59,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from envs.data import load_rows  # noqa: E402
 from envs.retool import make_episode  # noqa: E402
 
+# Qwen2.5-Instruct's generation_config.json sampling defaults, shipped like a real instruct model does: a
+# server that fills unset request fields from them (vLLM's default `--generation-config auto`) samples
+# another distribution than the trainer scores, so every real-engine test runs under that condition. The
+# warm variants inherit them (save_pretrained writes the loaded model's generation config).
+SAMPLING_DEFAULTS = dict(do_sample=True, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)
+
 SPECIAL_TOKENS = [
     "<|endoftext|>",
     "<|im_start|>",
@@ -582,6 +588,7 @@ def main() -> None:
         tokenizer = build_tokenizer(rng, args.vocab_size)
         model = build_model(len(tokenizer), args.tie)
     model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    model.generation_config.update(**SAMPLING_DEFAULTS)
     out = Path(args.out)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
