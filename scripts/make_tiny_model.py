@@ -6,6 +6,8 @@
         --out models/tiny-warm                                      # calls the tool (2-5 min on CPU)
     python scripts/make_tiny_model.py --warm-from models/tiny-warm --tool-fraction 0.15 \
         --out models/tiny-demo                                      # knows the format, rarely calls
+    python scripts/make_tiny_model.py --qwen-wheel models/dashscope-2.0.2-py3-none-any.whl --tie \
+        --out models/tiny-qwen                                      # Qwen2.5's vocabulary (~20M params)
 
 The model is a Qwen2 causal LM (hidden 128, 2 layers, head_dim 64 — vLLM's CPU attention rejects 16)
 with a byte-level BPE tokenizer trained here on a synthetic corpus, digits split one per token so
@@ -13,6 +15,9 @@ arithmetic is learnable, and the Qwen2.5 hermes chat template (tools listed in t
 `<tool_call>{json}</tool_call>` in assistant turns, tool results as `<tool_response>` in a user turn).
 The chat markers and tool tags are special tokens, so `</tool_call>` is a single id the rollout worker
 can stop on. Saved with `save_pretrained`, loadable by transformers and vLLM alike.
+
+`--qwen-wheel`: the same random model on a production vocabulary instead, Qwen2.5's tokenizer rebuilt
+from Qwen's BPE ranks (see PRODUCTION VOCABULARY below), so tests meet real merges, unicode and markers.
 
 Warm variants (`--warm-from`): a random model never emits a tool call, so the tests and the demo start
 from one fine-tuned on synthetic retool traces, built from the TRAIN split with the env's own messages
