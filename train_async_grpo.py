@@ -39,7 +39,9 @@ Choices a reader should know before the code (see loss.py for the loss's own dep
   - One optimizer step per batch, so π_old (the trainer's logprob before the update) is the current
     forward's logprobs detached; no second forward pass. The truncated IS weight min(π_old/μ, C)
     corrects for the staleness and the inference/training kernel mismatch.
-  - Logprobs are taken at the sampling temperature (logits / T), matching vLLM's processed logprobs.
+  - Logprobs are those of the distribution vLLM samples from (logits / T, then top-k / top-p
+    truncation and renormalization: sampling.py), matching vLLM's processed logprobs. Every request
+    states every sampling field, and a start-up probe refuses a server that samples otherwise.
   - Packing: every micro-batch is ONE row of concatenated sequences (no padding) whose position_ids
     restart at 0 for each sequence. With `use_cache=False` and no attention_mask, transformers (≥ 4.54)
     detects the restarts and builds a block-diagonal causal mask (sdpa, eager) or varlen boundaries
@@ -100,6 +102,7 @@ from envs import ENVS, load_env
 from envs.data import load_rows
 from loss import grpo_loss
 from rollout import AsyncRolloutWorker, ChatTemplate, RolloutContext, VLLMClient, tool_loop_rollout
+from sampling import FidelityError, Sampling, check_fidelity, probe_server, token_logprobs_and_entropy
 
 # fmt: off
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -124,7 +127,8 @@ parser.add_argument("--max-staleness", type=int, default=1, help="max versions a
 parser.add_argument("--max-turns", type=int, default=4, help="model turns per completion")
 parser.add_argument("--max-context", type=int, default=2048, help="prompt + completion tokens, hard cap")
 parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (also for logprobs)")
-parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
+parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (trained exactly)")
+parser.add_argument("--top-k", type=int, default=0, help="top-k sampling, 0 = off (trained exactly)")
 parser.add_argument("--sandbox-workers", type=int, default=8, help="concurrent tool (sandbox) processes")
 parser.add_argument("--keep-zero-variance", action="store_true",
                     help="train on groups whose rewards are all equal (default: skip them)")
@@ -167,7 +171,7 @@ def check_args(args: argparse.Namespace) -> None:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
     for name in ["max_staleness", "warmup_steps", "eval_every", "kl_beta", "eps_low", "eps_high",
-                 "weight_decay", "lr"]:  # fmt: skip
+                 "weight_decay", "lr", "top_k"]:  # fmt: skip
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be ≥ 0, got {getattr(args, name)}")
     if args.temperature <= 0:
@@ -196,6 +200,10 @@ def check_args(args: argparse.Namespace) -> None:
         for u in args.vllm_url:
             if not u.startswith(("http://", "https://")):
                 parser.error(f"--vllm-url must start with http:// or https://, got {u}")
+
+
+def sampling_of(args: argparse.Namespace) -> Sampling:
+    return Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -384,20 +392,15 @@ def collate(seqs: list[dict], device) -> dict[str, torch.Tensor]:
     }
 
 
-def token_logprobs(model, input_ids, position_ids, temperature: float, with_entropy: bool = False):
-    """log π(token_j | tokens < j) at the sampling temperature for every position of a packed row
-    (position 0 gets 0: nothing predicts it). Returns (logprobs (T,), entropy (T,) or None)."""
+def token_logprobs(model, input_ids, position_ids, sampling: Sampling, with_entropy: bool = False):
+    """log π(token_j | tokens < j) under the distribution vLLM samples from (temperature, top-k, top-p:
+    sampling.py) for every position of a packed row (position 0 gets 0: nothing predicts it).
+    Returns (logprobs (T,), entropy (T,) or None)."""
     logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0]  # (T, V)
-    logits = logits[:-1].float() / temperature  # (T−1, V): position j−1 predicts token j
-    logz = torch.logsumexp(logits, dim=-1)  # (T−1,)
-    lp = logits.gather(-1, input_ids[0, 1:, None]).squeeze(-1) - logz  # (T−1,)
+    # (T−1, V): position j−1 predicts token j
+    lp, entropy = token_logprobs_and_entropy(logits[:-1], input_ids[0, 1:], sampling, with_entropy)
     zero = lp.new_zeros(1)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            probs = torch.softmax(logits, dim=-1)
-            entropy = torch.cat([zero, logz - (probs * logits).sum(-1)])
-    return torch.cat([zero, lp]), entropy
+    return torch.cat([zero, lp]), (torch.cat([zero, entropy]) if with_entropy else None)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -421,12 +424,12 @@ def train_step(
     for mb_seqs in rank_micro_batches(seqs, bins, rank, world_size):
         mb = collate(mb_seqs, device)
         logprobs, entropy = token_logprobs(
-            model, mb["input_ids"], mb["position_ids"], args.temperature, with_entropy=True
+            model, mb["input_ids"], mb["position_ids"], sampling_of(args), with_entropy=True
         )
         ref = None
         if ref_model is not None:
             with torch.no_grad():
-                ref, _ = token_logprobs(ref_model, mb["input_ids"], mb["position_ids"], args.temperature)
+                ref, _ = token_logprobs(ref_model, mb["input_ids"], mb["position_ids"], sampling_of(args))
         loss, m = grpo_loss(
             logprobs, logprobs.detach(), mb["behaviour"], mb["advantages"], mb["loss_mask"],
             mb["seq_index"], eps_low=args.eps_low, eps_high=args.eps_high, is_cap=args.is_cap,
@@ -841,7 +844,8 @@ async def evaluate(
     )
     await client.open()
     ctx = RolloutContext(
-        client=client, template=template, sampling={"temperature": 0.0}, max_turns=args.max_turns,
+        client=client, template=template, sampling=Sampling(temperature=0.0).request_fields(),
+        max_turns=args.max_turns,
         max_context=args.max_context, version=lambda: 0,
         tool_semaphore=asyncio.Semaphore(args.sandbox_workers),
     )  # fmt: skip
@@ -864,6 +868,37 @@ async def evaluate(
         "eval/tool_calls_per_completion": sum(n for _, n in ok) / len(ok),
         "eval/failed": float(len(rows) - len(ok)),
     }
+
+
+@torch.no_grad()
+def rescore(model, samples: list, device) -> list[list[float]]:
+    """The trainer's logprobs of each probe sample's completion, with the function training uses."""
+    out = []
+    for s in samples:
+        ids = torch.tensor([s.prompt_ids + s.completion_ids], device=device)
+        lp, _ = token_logprobs(model, ids, torch.arange(ids.shape[1], device=device)[None], s.sampling)
+        out.append(lp[len(s.prompt_ids) :].tolist())
+    return out
+
+
+def probe_fidelity(urls, model_name, model, prompts, args, world_size, device) -> dict[str, float]:
+    """Before the first step every server samples a few short completions with the run's settings, and
+    the trainer re-scores them; FidelityError (naming the server, the gap and the likely causes) when they
+    disagree. Under FSDP every rank joins the re-scoring forwards."""
+    low_precision = next(model.parameters()).dtype != torch.float32
+    worst: dict[str, float] = {}
+    for url in urls:
+        run, bare = asyncio.run(probe_server(url, model_name, prompts, sampling_of(args), args.seed))
+        broadcast_message({"rescore": run + bare}, world_size)
+        scored = rescore(model, run + bare, device)
+        gaps = check_fidelity(url, (run, scored[: len(run)]), (bare, scored[len(run) :]), low_precision)
+        worst = {k: max(v, worst.get(k, 0.0)) for k, v in gaps.items()}
+    print(
+        f"fidelity probe: {len(urls)} server(s) sample what the trainer scores (max |Δ logprob| "
+        f"{worst['fidelity/max_abs_diff']:.2g}, mismatch KL {worst['fidelity/mismatch_kl']:.2g})",
+        flush=True,
+    )
+    return worst
 
 
 def served_model_name(url: str) -> str:
@@ -894,6 +929,8 @@ def follow_rank0(model, ref_model, optimizer, scheduler, tokenizer, args, out_di
             )
         elif "sync" in message:
             sync_weights(syncer, model, message["sync"])
+        elif "rescore" in message:
+            rescore(model, message["rescore"], device)
         elif "save" in message:
             save_checkpoint(out_dir, model, tokenizer, optimizer, scheduler, message["save"], rank)
         else:  # {"stop": True}
@@ -977,6 +1014,7 @@ def main(argv: list[str] | None = None) -> None:
 
     servers, syncer, worker, tracker, bar = [], None, None, NoTracker(), None
     stop_flag = {"stop": False}
+    refused, fidelity = False, {}
     signal.signal(signal.SIGTERM, lambda *_: stop_flag.update(stop=True))
     if world_size > 1:
         # Ctrl-C and SIGTERM stop rank 0 between two steps, never inside a collective; it then tells
@@ -1044,6 +1082,7 @@ def main(argv: list[str] | None = None) -> None:
             servers = start_vllm_servers(
                 args.model, num_servers=args.vllm_gpus if on_gpu else 1, gpus_per_server=1,
                 log_dir=out_dir / "vllm-logs", timeout_s=args.server_timeout, max_model_len=args.max_context,
+                seed=args.seed,
             )  # fmt: skip
             urls, model_name = [s.url for s in servers], str(args.model)
             write_servers_file()
@@ -1053,6 +1092,8 @@ def main(argv: list[str] | None = None) -> None:
         # --vllm-url may hold anything, a checkpoint's weights must go in, and the version tag it sets
         # is how a restarted server (tag "default", base weights) is told apart from one in step.
         sync_weights(syncer, model, version, world_size)
+        probe_prompts = [template.prompt_ids(make_episode(r).messages) for r in rows[:4]]
+        fidelity = probe_fidelity(urls, model_name, model, probe_prompts, args, world_size, device)
         client = VLLMClient(
             urls, model_name, request_timeout_s=args.batch_timeout, expected_version=lambda: syncer.version
         )
@@ -1060,7 +1101,7 @@ def main(argv: list[str] | None = None) -> None:
             client, template, make_episode, row_stream(rows, args.seed, position),
             num_generations=args.num_generations, groups_per_version=args.prompts_per_step * args.sync_every,
             max_staleness=args.max_staleness, max_turns=args.max_turns, max_context=args.max_context,
-            sampling={"temperature": args.temperature, "top_p": args.top_p},
+            sampling=sampling_of(args).request_fields(), seed=args.seed,
             max_concurrent_tools=args.sandbox_workers, scale_rewards=not args.no_scale_rewards,
             start_version=version,
         )  # fmt: skip
@@ -1123,6 +1164,8 @@ def main(argv: list[str] | None = None) -> None:
             metrics.update(rollout_metrics(groups, dropped, skipped))
             metrics.update(train)
             metrics.update(sync)
+            metrics.update(fidelity)  # the start-up probe's gaps, on the first step's line
+            fidelity = {}
             metrics.update({
                 "perf/step_s": step_s,
                 "perf/wait_s": wait_s,
@@ -1165,6 +1208,9 @@ def main(argv: list[str] | None = None) -> None:
                 last_saved = step
     except KeyboardInterrupt:
         print(f"\ninterrupted at step {step}; saving a final checkpoint", file=sys.stderr, flush=True)
+    except FidelityError as e:  # before the first step: nothing to save, one line to read
+        print(f"refusing to train: {e}", file=sys.stderr, flush=True)
+        refused = True
     finally:
         # -------------------------------------------------------------------------------------------
         # SHUTDOWN: stop admitting → stop the worker → release the sync group → stop the servers
@@ -1201,6 +1247,8 @@ def main(argv: list[str] | None = None) -> None:
         completions_file.close()
         if world_size > 1:
             dist.destroy_process_group()
+    if refused:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

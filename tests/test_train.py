@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 
 import train_async_grpo as T
 from rollout import ClientStats, WorkerStats
+from sampling import Sampling
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,11 +44,13 @@ def test_packed_logprobs_equal_per_sequence_logprobs(tiny_model):
     mb = T.collate(seqs, "cpu")
     assert mb["position_ids"][0].tolist() == [*range(14), *range(7), *range(19)]
     with torch.no_grad():
-        packed, entropy = T.token_logprobs(model, mb["input_ids"], mb["position_ids"], 0.7, with_entropy=True)
+        packed, entropy = T.token_logprobs(
+            model, mb["input_ids"], mb["position_ids"], Sampling(0.7), with_entropy=True
+        )
         alone = []
         for s in seqs:
             ids = torch.tensor(s["ids"])[None]
-            lp, _ = T.token_logprobs(model, ids, torch.arange(ids.shape[1])[None], 0.7)
+            lp, _ = T.token_logprobs(model, ids, torch.arange(ids.shape[1])[None], Sampling(0.7))
             # Reference without our helper: plain forward, no position_ids, log_softmax at temperature.
             logits = model(ids).logits[0, :-1] / 0.7
             ref = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
@@ -248,8 +251,8 @@ def test_end_to_end_kill_and_resume(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 def _step_args() -> SimpleNamespace:
     return SimpleNamespace(
-        micro_batch_tokens=24, temperature=0.8, eps_low=0.2, eps_high=0.28, is_cap=2.0, loss_norm="token",
-        kl_beta=0.0, max_grad_norm=1e9,  # no clipping: it would hide a wrong gradient scale
+        micro_batch_tokens=24, temperature=0.8, top_p=1.0, top_k=0, eps_low=0.2, eps_high=0.28, is_cap=2.0,
+        loss_norm="token", kl_beta=0.0, max_grad_norm=1e9,  # no clipping: would hide a wrong gradient scale
     )  # fmt: skip
 
 
@@ -327,7 +330,7 @@ def test_two_fsdp_ranks_take_the_one_process_step(tmp_path, tiny_model):
         for k, lp in traced.items():
             ids = torch.tensor(seqs[k]["ids"])[None]
             alone, _ = T.token_logprobs(
-                model, ids, torch.arange(ids.shape[1])[None], _step_args().temperature
+                model, ids, torch.arange(ids.shape[1])[None], T.sampling_of(_step_args())
             )
             torch.testing.assert_close(torch.tensor(lp)[1:], alone[1:], atol=1e-5, rtol=1e-5)
 
