@@ -2,7 +2,7 @@
 completions.jsonl and metrics.jsonl, to look at what was trained, token by token.
 
     python scripts/view_rollouts.py runs/latest                    # writes runs/latest/rollouts.html
-    python scripts/view_rollouts.py runs/latest --out /tmp/r.html --last 5
+    python scripts/view_rollouts.py runs/latest --out /tmp/r.html --last 0   # every logged step
 
 Per logged step and group (the trainer logs, every --log-completions-every steps, the best- and the
 worst-rewarded completion of two groups), each completion as a conversation. Its tokens are shaded by
@@ -15,7 +15,8 @@ template inserts each tool result verbatim, so the result's text is found in the
 A toggle colours trained tokens by |Δ logprob| (trainer π_old vs vLLM's behaviour μ) or by the loss's IS
 weight min(π_old/μ, C); hovering a token shows its id, text and numbers. Tool calls and outputs fold
 (<details>); filters by reward, stop reason and tool use. At the top: reward, accuracy and tool use over
-steps from metrics.jsonl (inline SVG).
+steps from metrics.jsonl (inline SVG). The last 20 logged steps by default (`--last`): a row holds up to
+4096 tokens and each becomes an element, so a long run's every step would make a page too big to open.
 
 Model output is hostile: every piece of text is HTML-escaped, and the page's Content-Security-Policy
 allows only its own script (by hash) and no network at all.
@@ -36,7 +37,7 @@ from plot_metrics import load as load_metrics  # noqa: E402
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("run_dir", help="a training run's --output-dir (holds completions.jsonl)")
 parser.add_argument("--out", default=None, help="HTML file to write (default: RUN_DIR/rollouts.html)")
-parser.add_argument("--last", type=int, default=0, help="only the last N logged steps (0 = all)")
+parser.add_argument("--last", type=int, default=20, help="only the last N logged steps (0 = all)")
 
 # Colour buckets: |Δ logprob| edges (nats) and IS-weight edges; class d0..d5 / w0..w5.
 DELTA_EDGES = (0.01, 0.05, 0.2, 0.5, 1.0)
