@@ -23,13 +23,24 @@ $(STAMPS)/install: requirements.txt requirements-engine-$(ENGINE).txt
 	@mkdir -p $(STAMPS) && touch $@
 
 tiny-model: models/tiny/config.json models/tiny-tied/config.json models/tiny-warm/config.json \
-	models/tiny-demo/config.json
+	models/tiny-demo/config.json models/tiny-qwen/config.json
 
 models/tiny/config.json: scripts/make_tiny_model.py $(STAMPS)/install
 	$(PY) scripts/make_tiny_model.py --out models/tiny
 
 models/tiny-tied/config.json: scripts/make_tiny_model.py $(STAMPS)/install
 	$(PY) scripts/make_tiny_model.py --out models/tiny-tied --tie
+
+# Qwen2.5's vocabulary (tests/test_tokenizer.py): its BPE ranks ship inside the dashscope wheel, which is
+# fetched, not installed (the package pulls many dependencies); the script reads the one file it needs
+# from it and checks its sha256. Random weights on that vocabulary (~20M params, nearly all embeddings).
+QWEN_WHEEL := models/dashscope-2.0.2-py3-none-any.whl
+
+$(QWEN_WHEEL): $(STAMPS)/install
+	.venv/bin/pip download -q --no-deps --only-binary=:all: dashscope==2.0.2 -d models
+
+models/tiny-qwen/config.json: $(QWEN_WHEEL) scripts/make_tiny_model.py $(STAMPS)/install
+	$(PY) scripts/make_tiny_model.py --qwen-wheel $(QWEN_WHEEL) --tie --out models/tiny-qwen
 
 # Warm starts fine-tuned from models/tiny on synthetic retool traces (bit-reproducible, 1-5 min each on
 # CPU): tiny-warm always calls the tool (tests need real tool calls); tiny-demo rarely does (the demo).
@@ -41,7 +52,15 @@ models/tiny-warm/config.json: models/tiny/config.json scripts/make_tiny_model.py
 models/tiny-demo/config.json: models/tiny-warm/config.json scripts/make_tiny_model.py data/retool_train.jsonl
 	$(PY) scripts/make_tiny_model.py --warm-from models/tiny-warm --tool-fraction 0.15 --out models/tiny-demo
 
-test: install tiny-model
+# Debian's Chromium for the rollout viewer's browser tests (tests/test_viewer.py, driven by Playwright's
+# Python package; never a browser Playwright downloads). Where it cannot be installed (no root, no apt)
+# the stamp is not written, the suite goes on, and those tests skip saying why.
+$(STAMPS)/chromium:
+	@if command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq chromium >/dev/null); then mkdir -p $(STAMPS) && touch $@; \
+	else echo "chromium could not be installed: tests/test_viewer.py's browser tests will skip"; fi
+
+test: install tiny-model $(STAMPS)/chromium
 	.venv/bin/ruff check .
 	.venv/bin/pytest -q --timeout 900
 

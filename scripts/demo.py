@@ -10,8 +10,9 @@ models/tiny-demo, which knows the tool-call format but rarely uses it:
   1. --env retool: the code_interpreter tool is offered;
   2. --env math:   the same problems, no tool.
 Each evaluates greedily on held-out problems at the start, every --eval-every steps and at the end. Then
-a summary table (accuracy and tool-call rate, before → after), docs/demo_summary.json, and one figure per
-run (reward, held-out accuracy, tool calls per completion, staleness over steps) in docs/.
+a summary table (accuracy and tool-call rate, before → after), docs/demo_summary.json, one figure per
+run (reward, held-out accuracy, tool calls per completion, staleness over steps) in docs/, and the
+rollout viewer's page of the retool run (scripts/view_rollouts.py: its logged completions token by token).
 """
 
 import argparse
@@ -27,6 +28,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from view_rollouts import main as write_viewer_page  # noqa: E402  (scripts/ is this script's dir)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -134,12 +136,15 @@ def main(argv: list[str] | None = None) -> dict:
     docs_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     summary = {"model": args.model, "eval_limit": args.eval_limit, "train_args": TRAIN_ARGS, "runs": {}}
+    viewer_page = None
     for env, steps in [("retool", args.retool_steps), ("math", args.math_steps)]:
         wall_s = run(env, steps, runs_dir / env, args)
         lines = load_metrics(runs_dir / env / "metrics.jsonl")
         summary["runs"][env] = summarize(lines, wall_s)
         tool = "with" if env == "retool" else "without"
         plot(lines, f"--env {env} ({tool} the code interpreter), {args.model}", docs_dir / f"demo_{env}.png")
+        if env == "retool":
+            viewer_page = write_viewer_page([str(runs_dir / env)])
     summary["wall_s"] = round(time.monotonic() - t0, 1)
     (docs_dir / "demo_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
@@ -151,6 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
         tool = f"{r['tool_call_rate_before']:.0%} → {r['tool_call_rate_after']:.0%}"
         print(f"{env:<8} {r['steps']:>5} {r['train_s']:>8.0f} {acc:>15} {tool:>15}")
     print(f"total {summary['wall_s']:.0f} s; figures and demo_summary.json in {docs_dir}")
+    print(f"the retool run's completions, token by token: {viewer_page.resolve()} (open it in a browser)")
     return summary
 
 

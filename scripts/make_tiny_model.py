@@ -6,6 +6,8 @@
         --out models/tiny-warm                                      # calls the tool (2-5 min on CPU)
     python scripts/make_tiny_model.py --warm-from models/tiny-warm --tool-fraction 0.15 \
         --out models/tiny-demo                                      # knows the format, rarely calls
+    python scripts/make_tiny_model.py --qwen-wheel models/dashscope-2.0.2-py3-none-any.whl --tie \
+        --out models/tiny-qwen                                      # Qwen2.5's vocabulary (~20M params)
 
 The model is a Qwen2 causal LM (hidden 128, 2 layers, head_dim 64 — vLLM's CPU attention rejects 16)
 with a byte-level BPE tokenizer trained here on a synthetic corpus, digits split one per token so
@@ -13,6 +15,9 @@ arithmetic is learnable, and the Qwen2.5 hermes chat template (tools listed in t
 `<tool_call>{json}</tool_call>` in assistant turns, tool results as `<tool_response>` in a user turn).
 The chat markers and tool tags are special tokens, so `</tool_call>` is a single id the rollout worker
 can stop on. Saved with `save_pretrained`, loadable by transformers and vLLM alike.
+
+`--qwen-wheel`: the same random model on a production vocabulary instead, Qwen2.5's tokenizer rebuilt
+from Qwen's BPE ranks (see PRODUCTION VOCABULARY below), so tests meet real merges, unicode and markers.
 
 Warm variants (`--warm-from`): a random model never emits a tool call, so the tests and the demo start
 from one fine-tuned on synthetic retool traces, built from the TRAIN split with the env's own messages
@@ -30,16 +35,20 @@ and the end-to-end correct rate with the real interpreter's output fed back.
 
 import argparse
 import asyncio
+import hashlib
 import json
 import math
+import os
 import random
 import re
 import sys
+import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -47,11 +56,19 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2Tokenizer,
 )
+from transformers.convert_slow_tokenizer import TikTokenConverter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from the repo root
 from envs.data import load_rows  # noqa: E402
 from envs.retool import make_episode  # noqa: E402
+
+# Qwen2.5-Instruct's generation_config.json sampling defaults, shipped like a real instruct model does: a
+# server that fills unset request fields from them (vLLM's default `--generation-config auto`) samples
+# another distribution than the trainer scores, so every real-engine test runs under that condition. The
+# warm variants inherit them (save_pretrained writes the loaded model's generation config).
+SAMPLING_DEFAULTS = dict(do_sample=True, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -173,6 +190,94 @@ def build_tokenizer(rng: random.Random, vocab_size: int) -> PreTrainedTokenizerF
         additional_special_tokens=SPECIAL_TOKENS[1:],
         chat_template=CHAT_TEMPLATE,
         model_max_length=4096,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# PRODUCTION VOCABULARY: Qwen2.5's tokenizer rebuilt from its BPE ranks
+# ---------------------------------------------------------------------------------------------------
+# Qwen2/2.5's 151,643 BPE ranks ship as `qwen.tiktoken` inside the dashscope wheel (the package itself
+# pulls many dependencies, so only the wheel is fetched and this one file read from it). A changed
+# file must fail the build, not quietly change the vocabulary the tests stand on.
+QWEN_WHEEL_MEMBER = "dashscope/resources/qwen.tiktoken"
+QWEN_TIKTOKEN_SHA256 = "b2b1b8dfb5cc5f024bafc373121c6aba3f66f9a5a0269e243470a1de16a33186"
+QWEN_BPE_TOKENS = 151643
+QWEN_VOCAB_SIZE = 151936  # Qwen2.5's embedding rows: the tokenizer's 151,665 ids, padded
+# Qwen2.5's added tokens, in id order from 151643. The tool-call and fill-in-the-middle tokens are not
+# special (special=False: decoding with skip_special_tokens keeps them), the rest are.
+QWEN_ADDED_TOKENS = [
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True),
+    ("<|box_start|>", True),
+    ("<|box_end|>", True),
+    ("<|quad_start|>", True),
+    ("<|quad_end|>", True),
+    ("<|vision_start|>", True),
+    ("<|vision_end|>", True),
+    ("<|vision_pad|>", True),
+    ("<|image_pad|>", True),
+    ("<|video_pad|>", True),
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<|fim_prefix|>", False),
+    ("<|fim_middle|>", False),
+    ("<|fim_suffix|>", False),
+    ("<|fim_pad|>", False),
+    ("<|repo_name|>", False),
+    ("<|file_sep|>", False),
+]
+
+
+def read_qwen_ranks(wheel: str) -> bytes:
+    """The qwen.tiktoken file inside a dashscope wheel, checked against its pinned sha256."""
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            data = z.read(QWEN_WHEEL_MEMBER)
+    except (OSError, KeyError, zipfile.BadZipFile) as e:
+        sys.exit(
+            f"--qwen-wheel {wheel}: cannot read {QWEN_WHEEL_MEMBER} ({e}); fetch it with "
+            "`pip download dashscope==2.0.2 --no-deps -d DIR`"
+        )
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != QWEN_TIKTOKEN_SHA256:
+        sys.exit(
+            f"--qwen-wheel {wheel}: {QWEN_WHEEL_MEMBER} has sha256 {digest}, expected "
+            f"{QWEN_TIKTOKEN_SHA256} (dashscope==2.0.2's); use that wheel"
+        )
+    return data
+
+
+def build_qwen_tokenizer(wheel: str) -> Qwen2Tokenizer:
+    """Qwen2.5's tokenizer: transformers' tiktoken converter turns the ranks into vocab + merges, and
+    transformers' own Qwen2Tokenizer adds what loading a real Qwen2.5 checkpoint gives (NFC, Qwen2's
+    split + byte-level pre-tokenizer, byte-level decoder); the added tokens at Qwen2.5's ids, and
+    CHAT_TEMPLATE."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ranks = Path(tmp) / "qwen.tiktoken"
+        ranks.write_bytes(read_qwen_ranks(wheel))
+        # tiktoken caches a file it reads under a key made from its path alone: off, so no stale copy
+        # stands in for the file just checked.
+        os.environ["TIKTOKEN_CACHE_DIR"] = ""
+        vocab, merges = TikTokenConverter().extract_vocab_merges_from_model(str(ranks))
+    assert len(vocab) == QWEN_BPE_TOKENS, len(vocab)
+    added = {
+        QWEN_BPE_TOKENS + i: AddedToken(token, special=special, normalized=False)
+        for i, (token, special) in enumerate(QWEN_ADDED_TOKENS)
+    }
+    return Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        added_tokens_decoder=added,
+        additional_special_tokens=[token for token, special in QWEN_ADDED_TOKENS[1:] if special],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=131072,
+        clean_up_tokenization_spaces=False,
     )
 
 
@@ -455,6 +560,11 @@ def main() -> None:
     )
     p.add_argument("--vocab-size", type=int, default=1024, help="BPE vocabulary size")
     p.add_argument("--tie", action="store_true", help="tie lm_head to the embeddings")
+    p.add_argument(
+        "--qwen-wheel",
+        default=None,
+        help="dashscope-2.0.2 wheel: build on Qwen2.5's vocabulary from its qwen.tiktoken instead",
+    )
     # warm start
     p.add_argument(
         "--warm-from", default=None, help="fine-tune the model in this directory instead of building one"
@@ -476,9 +586,14 @@ def main() -> None:
 
     rng = random.Random(args.seed)
     torch.manual_seed(args.seed)
-    tokenizer = build_tokenizer(rng, args.vocab_size)
-    model = build_model(len(tokenizer), args.tie)
+    if args.qwen_wheel:
+        tokenizer = build_qwen_tokenizer(args.qwen_wheel)
+        model = build_model(QWEN_VOCAB_SIZE, args.tie)
+    else:
+        tokenizer = build_tokenizer(rng, args.vocab_size)
+        model = build_model(len(tokenizer), args.tie)
     model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    model.generation_config.update(**SAMPLING_DEFAULTS)
     out = Path(args.out)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 
 import train_async_grpo as T
 from rollout import ClientStats, WorkerStats
+from sampling import Sampling
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,11 +44,13 @@ def test_packed_logprobs_equal_per_sequence_logprobs(tiny_model):
     mb = T.collate(seqs, "cpu")
     assert mb["position_ids"][0].tolist() == [*range(14), *range(7), *range(19)]
     with torch.no_grad():
-        packed, entropy = T.token_logprobs(model, mb["input_ids"], mb["position_ids"], 0.7, with_entropy=True)
+        packed, entropy = T.token_logprobs(
+            model, mb["input_ids"], mb["position_ids"], Sampling(0.7), with_entropy=True
+        )
         alone = []
         for s in seqs:
             ids = torch.tensor(s["ids"])[None]
-            lp, _ = T.token_logprobs(model, ids, torch.arange(ids.shape[1])[None], 0.7)
+            lp, _ = T.token_logprobs(model, ids, torch.arange(ids.shape[1])[None], Sampling(0.7))
             # Reference without our helper: plain forward, no position_ids, log_softmax at temperature.
             logits = model(ids).logits[0, :-1] / 0.7
             ref = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
@@ -248,14 +251,14 @@ def test_end_to_end_kill_and_resume(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 def _step_args() -> SimpleNamespace:
     return SimpleNamespace(
-        micro_batch_tokens=24, temperature=0.8, eps_low=0.2, eps_high=0.28, is_cap=2.0, loss_norm="token",
-        kl_beta=0.0, max_grad_norm=1e9,  # no clipping: it would hide a wrong gradient scale
+        micro_batch_tokens=24, temperature=0.8, top_p=1.0, top_k=0, eps_low=0.2, eps_high=0.28, is_cap=2.0,
+        loss_norm="token", kl_beta=0.0, max_grad_norm=1e9,  # no clipping: would hide a wrong gradient scale
     )  # fmt: skip
 
 
 def _one_sgd_step(model_dir: Path, seqs: list[dict], rank: int, world_size: int, loss_norm: str) -> tuple:
     """One train_step with plain SGD (update = −lr · gradient, so the update shows the gradient's scale;
-    AdamW's first step would not). Returns (metrics, full weights) on rank 0."""
+    AdamW's first step would not). Returns (metrics, full weights, traced logprobs) on rank 0."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     torch.manual_seed(0)
@@ -267,11 +270,12 @@ def _one_sgd_step(model_dir: Path, seqs: list[dict], rank: int, world_size: int,
     args = _step_args()
     args.loss_norm = loss_norm
     cpu = torch.device("cpu")
-    metrics = T.train_step(model, None, optimizer, scheduler, seqs, args, rank, world_size, cpu)
+    traced = {}
+    metrics = T.train_step(model, None, optimizer, scheduler, seqs, args, rank, world_size, cpu, traced)
     if world_size == 1:
-        return metrics, {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return metrics, {k: v.detach().clone() for k, v in model.state_dict().items()}, traced
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return metrics, get_model_state_dict(model, options=opts)
+    return metrics, get_model_state_dict(model, options=opts), traced
 
 
 def _fsdp_rank(rank: int, world_size: int, port: int, model_dir: Path, seqs: list[dict], out: Path) -> None:
@@ -289,7 +293,9 @@ def _fsdp_rank(rank: int, world_size: int, port: int, model_dir: Path, seqs: lis
 
 def test_two_fsdp_ranks_take_the_one_process_step(tmp_path, tiny_model):
     """Five sequences in three micro-batches: rank 1 also runs a masked filler micro-batch. The summed
-    loss, the gradient norm and the updated weights must equal one process's."""
+    loss, the gradient norm and the updated weights must equal one process's; the logprobs of the
+    traced sequences (the viewer's, from both ranks' micro-batches) are gathered on rank 0 and equal
+    each sequence's own forward before the update."""
     import torch.multiprocessing as mp
 
     from vllm_server import free_port
@@ -299,19 +305,34 @@ def test_two_fsdp_ranks_take_the_one_process_step(tmp_path, tiny_model):
     for k, s in enumerate(seqs):
         s["advantage"] = [1.0, -0.5, 0.7, -1.2, 0.3][k]
         s["behaviour"] = [-2.0 - 0.1 * j if m else 0.0 for j, m in enumerate(s["mask"])]
+    for k in (0, 2, 4):
+        seqs[k]["trace"] = k
     assert len(T.pack(seqs, _step_args().micro_batch_tokens)) == 3
     out = tmp_path / "rank0.pt"
     mp.spawn(_fsdp_rank, args=(2, free_port(), tiny_model, seqs, out), nprocs=2, join=True)
     two = torch.load(out, weights_only=False)
     for norm in ("token", "sequence"):
-        metrics, weights = _one_sgd_step(tiny_model, seqs, 0, 1, norm)
-        m2, w2 = two[norm]
+        metrics, weights, traced = _one_sgd_step(tiny_model, seqs, 0, 1, norm)
+        m2, w2, traced2 = two[norm]
+        assert sorted(traced) == sorted(traced2) == [0, 2, 4]
+        for k in traced:
+            torch.testing.assert_close(
+                torch.tensor(traced2[k]), torch.tensor(traced[k]), atol=1e-5, rtol=1e-5
+            )
         for k in ["train/loss", "train/grad_norm", "train/loss_tokens", "train/entropy", "train/lr"]:
             assert m2[k] == pytest.approx(metrics[k], rel=1e-5), (norm, k)
         assert metrics["train/grad_norm"] > 0
         assert w2.keys() == weights.keys()
         for k in weights:
             torch.testing.assert_close(w2[k], weights[k], atol=1e-6, rtol=1e-5, msg=f"{norm} {k}")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    with torch.no_grad():
+        for k, lp in traced.items():
+            ids = torch.tensor(seqs[k]["ids"])[None]
+            alone, _ = T.token_logprobs(
+                model, ids, torch.arange(ids.shape[1])[None], T.sampling_of(_step_args())
+            )
+            torch.testing.assert_close(torch.tensor(lp)[1:], alone[1:], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.slow

@@ -1,0 +1,241 @@
+"""A production vocabulary: Qwen2.5's tokenizer, rebuilt by `make tiny-model` from Qwen's own BPE ranks
+(models/tiny-qwen). Its ids are Qwen's (checked against the ranks file and against tiktoken, the
+reference BPE for that file), the rollout's tool-response ids are what a full render of the conversation
+tokenizes to, and the real engine's logprobs on that vocabulary are the trainer's. The tokenizer tests
+take seconds; the engine test starts one vLLM server for this module."""
+
+import base64
+import os
+import unicodedata
+import zipfile
+from pathlib import Path
+
+import pytest
+import tiktoken
+import torch
+from test_vllm_server import post
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from envs.retool import make_episode
+from rollout import ChatTemplate
+from sampling import Sampling
+from vllm_server import group_pids, start_vllm_server
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = REPO / "models" / "tiny-qwen"
+WHEEL = REPO / "models" / "dashscope-2.0.2-py3-none-any.whl"  # the Makefile's QWEN_WHEEL
+
+# Qwen's pre-tokenizer split as its own tiktoken tokenizer states it (Qwen-7B's tokenization_qwen.py),
+# and Qwen2.5's added tokens that the template uses, at their published ids.
+QWEN_PAT_STR = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+QWEN_IDS = {
+    "<|endoftext|>": 151643,
+    "<|im_start|>": 151644,
+    "<|im_end|>": 151645,
+    "<tool_call>": 151657,
+    "</tool_call>": 151658,
+    "<|file_sep|>": 151664,
+}
+
+# Tool outputs the suffix ids must get right: numbers, unicode (CJK, emoji with a skin-tone modifier,
+# accents written as combining marks, which NFC composes), code, text that looks like a chat marker but
+# is not one, and whitespace at either end.
+TOOL_OUTPUTS = {
+    "numbers": "42\n",
+    "floats": "3.141592653589793\n-17 1e+100 0x1F 1,234,567.89\n",
+    "cjk": "结果：四十二。计算完成！\n",
+    "emoji": "done 🙂👍🏽🚀\n",
+    "combining": "Cafe\u0301 n\u0303 A\u030a\n",
+    "code": "def f(x):\n    if x:\n\n        return x * 2\n\treturn 0\n\n\nprint(f(3))\n",
+    "lookalikes": "<|im_end <|im_start |>assistant < tool_call> </tool_call <|endoftext|| <｜im_end｜>\n",
+    "template_text": "</tool_response>\n<tool_response>\n",
+    "whitespace": "  \n\n  x  \n\n",
+    "empty": "",
+    "traceback": 'Traceback (most recent call last):\n  File "<string>", line 1\nZeroDivisionError: 1/0\n',
+}
+ANSWER = "The answer is \\boxed{42}."
+
+
+def ranks() -> dict[bytes, int]:
+    """The BPE ranks file read straight from the wheel: base64 token, space, rank."""
+    if not WHEEL.exists():
+        pytest.fail(f"{WHEEL} missing: run `make tiny-model`")
+    data = zipfile.ZipFile(WHEEL).read("dashscope/resources/qwen.tiktoken")
+    return {
+        base64.b64decode(tok): int(rank) for tok, rank in (line.split() for line in data.splitlines() if line)
+    }
+
+
+@pytest.fixture(scope="module")
+def tok():
+    if not (MODEL / "config.json").exists():
+        pytest.fail(f"{MODEL} missing: run `make tiny-model`")
+    return AutoTokenizer.from_pretrained(MODEL)
+
+
+@pytest.fixture(scope="module")
+def reference() -> tiktoken.Encoding:
+    """tiktoken on the same ranks: what Qwen's own tokenizer computes, independent of the HF build."""
+    return tiktoken.Encoding("qwen", pat_str=QWEN_PAT_STR, mergeable_ranks=ranks(), special_tokens=QWEN_IDS)
+
+
+def encode(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+def tool_conversation(episode, outputs: list[str]) -> tuple[list[dict], list[dict], list[dict]]:
+    """(prompt messages, the tool-calling assistant turn, its tool messages): one call per output."""
+    calls = [
+        {"type": "function", "function": {"name": "code_interpreter", "arguments": {"code": f"print({i})"}}}
+        for i in range(len(outputs))
+    ]
+    tools = [{"role": "tool", "name": "code_interpreter", "content": out} for out in outputs]
+    return episode.messages, [{"role": "assistant", "content": "", "tool_calls": calls}], tools
+
+
+# ---------------------------------------------------------------------------------------------------
+# the vocabulary is Qwen's
+# ---------------------------------------------------------------------------------------------------
+def test_vocabulary_and_added_tokens_are_qwen25s(tok):
+    table = ranks()
+    assert len(table) == 151643 and sorted(table.values()) == list(range(151643))
+    byte_chars = bytes_to_unicode()  # the byte-level alphabet every GPT-2-style BPE vocab is written in
+    vocab = tok.get_vocab()
+    wrong = [r for b, r in table.items() if vocab.get("".join(byte_chars[x] for x in b)) != r]
+    assert wrong == [], f"{len(wrong)} BPE tokens are not at their rank, e.g. ids {wrong[:5]}"
+    assert len(tok) == 151665
+    assert {t: tok.convert_tokens_to_ids(t) for t in QWEN_IDS} == QWEN_IDS
+    special = {t.content: t.special for t in tok.added_tokens_decoder.values()}
+    assert special["<|im_end|>"] and special["<|endoftext|>"] and special["<|video_pad|>"]
+    assert not special["<tool_call>"] and not special["</tool_call>"] and not special["<|fim_prefix|>"]
+    assert "<tool_response>" not in vocab  # plain text in Qwen2.5, unlike models/tiny
+    assert (tok.eos_token, tok.pad_token, tok.bos_token) == ("<|im_end|>", "<|endoftext|>", None)
+    # Published facts: Qwen2's "Hello world", digits one per token, ids of the markers in text.
+    assert encode(tok, "Hello world") == [9707, 1879]
+    assert encode(tok, "12345") == [table[d.encode()] for d in "12345"]
+    assert encode(tok, "a<|im_end|>\n") == [table[b"a"], 151645, table[b"\n"]]
+    model = AutoModelForCausalLM.from_pretrained(MODEL)
+    assert model.config.vocab_size == 151936 and model.config.head_dim == 64
+    assert model.config.tie_word_embeddings
+
+
+def test_encoding_matches_tiktoken_on_the_same_ranks(tok, reference):
+    """Same ids as tiktoken for tool outputs, whole rendered conversations (markers included), this
+    repository's text and every 10th vocabulary entry; decode gives the text back (NFC-composed)."""
+    episode = make_episode({"question": "What is 6 * 7?", "answer": "42"})
+    prompt, call, tools = tool_conversation(episode, list(TOOL_OUTPUTS.values()))
+    render = tok.apply_chat_template(
+        prompt + call + tools + [{"role": "assistant", "content": ANSWER}],
+        tools=episode.tools,
+        tokenize=False,
+    )
+    texts = [*TOOL_OUTPUTS.values(), render]
+    texts += [(REPO / f).read_text() for f in ("README.md", "rollout.py", "tests/test_rollout.py")]
+    vocab_strings = [b.decode("utf-8", "replace") for b, r in ranks().items() if r % 10 == 0]
+    texts += [t for t in vocab_strings if "\ufffd" not in t]  # whole characters only
+    for text in texts:
+        nfc = unicodedata.normalize("NFC", text)
+        ids = encode(tok, text)
+        assert ids == reference.encode(nfc, allowed_special="all"), text[:200]
+        assert tok.decode(ids) == nfc
+    assert encode(tok, TOOL_OUTPUTS["combining"]) != reference.encode(TOOL_OUTPUTS["combining"])  # NFC acts
+
+
+# ---------------------------------------------------------------------------------------------------
+# tool-response ids are the full render's ids
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "outputs",
+    [[v] for v in TOOL_OUTPUTS.values()] + [[TOOL_OUTPUTS["whitespace"], TOOL_OUTPUTS["code"]]],
+    ids=[*TOOL_OUTPUTS, "two_tools"],
+)
+def test_tool_response_ids_equal_the_full_render(tok, outputs):
+    """A rollout's ids (prompt, the generated tool call, ChatTemplate's tool-response suffix, the next
+    answer) are, token for token, the ids of the whole conversation rendered and tokenized at once."""
+    episode = make_episode({"question": "What is 6 * 7?", "answer": "42"})
+    template = ChatTemplate(tok, episode.tools)
+    prompt, call, tools = tool_conversation(episode, outputs)
+    prompt_ids = template.prompt_ids(prompt)
+    call_text = template.render(prompt + call, add_generation_prompt=False)
+    generated = encode(
+        tok,
+        call_text[
+            len(template.render(prompt, True)) : call_text.rindex("</tool_call>") + len("</tool_call>")
+        ],
+    )
+    assert generated[-1] == QWEN_IDS["</tool_call>"]  # where the rollout's generation stops
+    suffix = template.tool_response_ids(tools)
+    full = encode(
+        tok, template.render(prompt + call + tools + [{"role": "assistant", "content": ANSWER}], False)
+    )
+    offset = len(prompt_ids) + len(generated)
+    assert full[:offset] == prompt_ids + generated
+    assert full[offset : offset + len(suffix)] == suffix, (
+        f"suffix {tok.convert_ids_to_tokens(suffix)}\n"
+        f"render {tok.convert_ids_to_tokens(full[offset : offset + len(suffix)])}"
+    )
+    assert full[offset + len(suffix) :] == encode(tok, ANSWER + "<|im_end|>\n")
+
+
+def test_exact_markers_in_tool_output_are_the_characters_they_are(tok, reference):
+    """Qwen2.5's markers printed by a tool (`<tool_call>` among them: an added token that is not special)
+    become the ids of their characters, tiktoken's plain-text ids; control ids come from the template."""
+    content = (
+        '<|im_end|>\n<|im_start|>assistant\n<tool_call>\n{"name": "x"}\n</tool_call><|endoftext|><|fim_pad|>'
+    )
+    template = ChatTemplate(tok, make_episode({"question": "q", "answer": "1"}).tools)
+    suffix = template.tool_response_ids([{"role": "tool", "name": "code_interpreter", "content": content}])
+    im_start, im_end = QWEN_IDS["<|im_start|>"], QWEN_IDS["<|im_end|>"]
+    plain = reference.encode(f"user\n<tool_response>\n{content}\n</tool_response>", disallowed_special=())
+    newline, header = reference.encode("\n"), reference.encode("assistant\n")
+    assert suffix == [im_end, *newline, im_start, *plain, im_end, *newline, im_start, *header]
+
+
+# ---------------------------------------------------------------------------------------------------
+# the real engine on this vocabulary
+# ---------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def qwen_server(tmp_path_factory):
+    server = start_vllm_server(
+        str(MODEL),
+        log_dir=tmp_path_factory.mktemp("vllm-logs"),
+        timeout_s=float(os.environ.get("VLLM_START_TIMEOUT", 600)),
+    )
+    yield server
+    server.stop()
+    assert group_pids(server.proc.pid) == []
+
+
+@pytest.mark.timeout(900)
+def test_vllm_logprobs_match_transformers(qwen_server, tok):
+    """The server's processed logprobs equal a transformers fp32 forward on a tool conversation with
+    unicode in it, sampled with every distribution-shaping field stated neutral (the model's
+    generation_config.json may carry sampling defaults)."""
+    episode = make_episode({"question": "What is 6 * 7?", "answer": "42"})
+    template = ChatTemplate(tok, episode.tools)
+    prompt, call, tools = tool_conversation(episode, [TOOL_OUTPUTS["cjk"], TOOL_OUTPUTS["emoji"]])
+    prompt_ids = template.prompt_ids(prompt + call + tools)
+    body = {
+        "model": str(MODEL),
+        "prompt": prompt_ids,
+        "max_tokens": 48,
+        **Sampling(temperature=1.0).request_fields(),  # every field neutral but temperature 1
+        "logprobs": 0,
+        "return_token_ids": True,
+        "ignore_eos": True,
+        "seed": 1,
+    }
+    choice = post(f"{qwen_server.url}/v1/completions", body, timeout=120)["choices"][0]
+    completion_ids = choice["token_ids"]
+    assert choice["prompt_token_ids"] == prompt_ids
+    assert len(completion_ids) == len(choice["logprobs"]["token_logprobs"]) == 48
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + completion_ids])).logits[0, len(prompt_ids) - 1 : -1]
+    trainer = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion_ids)[:, None])[:, 0]
+    behaviour = torch.tensor(choice["logprobs"]["token_logprobs"])
+    torch.testing.assert_close(trainer, behaviour, atol=1e-3, rtol=0)
