@@ -291,10 +291,10 @@ def _cgroup_dir() -> tuple[str, str] | None:
         if "memory" in controllers.split(","):
             return "/sys/fs/cgroup/memory" + path, "v1"
         if controllers == "":
-            for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
-                d = root + path
-                if "memory" in open(os.path.join(root, "cgroup.controllers")).read().split():
-                    return d, "v2"
+            for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):  # pure v2; hybrid
+                controllers = os.path.join(root, "cgroup.controllers")
+                if os.path.exists(controllers) and "memory" in open(controllers).read().split():
+                    return root + path, "v2"
     return None
 
 
@@ -311,13 +311,19 @@ def memory_cgroup(budget_bytes: int) -> tuple[str, str] | None:
         for old in glob.glob(os.path.join(parent, "sandbox-*-*")):
             pid = os.path.basename(old).split("-")[1]
             if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-                os.rmdir(old)
+                try:
+                    os.rmdir(old)  # a cgroup with no process left goes with rmdir, its files and all
+                except OSError:
+                    pass
+        if version == "v2":
+            # Children get the controller only if our cgroup holds no process of its own (or is the root).
+            with open(os.path.join(parent, "cgroup.subtree_control"), "r+") as f:
+                if "memory" not in f.read().split():
+                    f.write("+memory")
+                    f.flush()
         d = os.path.join(parent, f"sandbox-{os.getpid()}-{budget_bytes >> 20}m")
         os.makedirs(d, exist_ok=True)
         if version == "v2":
-            with open(os.path.join(parent, "cgroup.subtree_control")) as f:
-                if "memory" not in f.read().split():
-                    raise OSError("memory controller not enabled for children")
             _write(d, "memory.max", budget_bytes)
             _write(d, "memory.swap.max", 0, missing_ok=True)
         else:
