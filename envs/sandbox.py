@@ -4,11 +4,13 @@
     result = await sandbox.run("print(2**100)", timeout_s=5)
     result.output  # '1267650600228229401496703205376\n'
 
-Stateless per call: every call gets a fresh `python -I` process, a fresh run directory as cwd (removed
-afterwards; if the process that made it was SIGKILLed, by the next process's first run) and a fresh
-environment (PATH, HOME, TMPDIR, LANG, single-thread BLAS); nothing a call does (files, variables,
-imports, background processes) is visible to the next call. The state in `Sandbox` is the cap on live
-runs; the process holds one memory cgroup for all its runs.
+Stateless per call: every call gets a fresh process (cold path, `run_python`: a new `python -I`; warm
+path, `Sandbox.run` in the namespace modes: a fork of a server with numpy and sympy imported, see
+envs/forkserver.py), a fresh run directory as cwd (cold: removed afterwards, or, if the process that
+made it was SIGKILLed, by the next process's first run; warm: a tmpfs) and a fresh environment (PATH,
+HOME, TMPDIR, LANG, single-thread BLAS); nothing a call does (files, variables, imports, background
+processes) is visible to the next call. The state in `Sandbox` is the cap on live runs and its fork
+server; the process holds one memory cgroup for all its runs.
 
 Isolation modes, the strongest that works here is probed once per process (`isolation_mode`):
 - "root-ns" (root with CAP_SYS_ADMIN): new pid, net and mount namespaces (`unshare`). A root shell,
