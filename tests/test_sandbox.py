@@ -450,6 +450,8 @@ MODES = {
     # (b') the same with the Python install below a directory others cannot enter (this machine's
     # /root): the code runs as root with every capability dropped.
     "b-root-no-cap-sys-admin-python-in-root-dir": (["--bounding-set=-sys_admin"], True, False, "seccomp"),
+    # (b'') root without CAP_SYS_ADMIN where user namespaces are allowed: the user-ns mode.
+    "b-root-no-cap-sys-admin-with-user-namespaces": (["--bounding-set=-sys_admin"], False, True, "user-ns"),
     # (c) a plain user where unprivileged user namespaces work.
     "c-user-with-user-namespaces": (AS_TEST_USER, False, True, "user-ns"),
     # (d) a plain user without them.
