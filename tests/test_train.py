@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import train_async_grpo as T
+from envs.sandbox import isolation_mode
 from rollout import ClientStats, WorkerStats
 from sampling import Sampling
 
@@ -201,6 +202,7 @@ def test_end_to_end_kill_and_resume(tmp_path):
     assert lines[0]["step"] == 0 and "eval/accuracy" in lines[0]  # the eval at start
     lines = lines[1:]
     assert [m["step"] for m in lines[:2]] == [1, 2]
+    assert lines[0]["sandbox/mode"] == isolation_mode() and "sandbox/mode" not in lines[1]  # once, at start
     required = [
         "rollout/reward_mean", "rollout/reward_std", "rollout/reward_min", "rollout/reward_max",
         "rollout/accuracy", "rollout/advantage_mean", "rollout/advantage_std", "train/loss",
