@@ -324,7 +324,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECRET = "hunter2-secret-token"
 TEST_USER = "sandbox-test"
 # The checkout's own sources, by a path suffix no installed library shares.
-CHECKOUT_SOURCES = ("/train_async_grpo.py", "/envs/sandbox.py", "/envs/retool.py", "/tests/test_sandbox.py")
+CHECKOUT_SOURCES = ("/train_async_grpo.py", "/envs/sandbox.py", "/envs/retool.py", "/envs/confine.py")
 ATTACKS = {
     "walk": (
         "import os\nfor top, dirs, files in os.walk('/'):\n"
@@ -380,12 +380,12 @@ def attack_suite(port: int) -> dict:
     alive = sleeper.poll() is None
     sleeper.kill()
     sleeper.wait()
-    from envs.sandbox import isolation_gaps, visible_paths
+    from envs.sandbox import isolation_gaps
 
     return {
         "mode": isolation_mode(),
         "gaps": isolation_gaps(),
-        "install": visible_paths()[0],
+        "install": sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)}),
         "sleeper_alive": alive,
         "outputs": {name: r.output + r.error for name, r in zip(ATTACKS, results, strict=True)},
     }
