@@ -81,7 +81,7 @@ def test_llama31_template(tokenizer):
     tok.chat_template = (TEMPLATES / "llama31.jinja").read_text()
     t = ChatTemplate(tok, [code_interpreter])
     assert not t.hermes and t.stop_token_ids == []
-    assert t._closer == ""  # the generated <|eot_id|> closes the turn; nothing to append before the tool
+    # the generated <|eot_id|> closes the turn: nothing is appended before the tool's header
     ids = t.tool_response_ids([{"role": "tool", "name": "code_interpreter", "content": "42"}])
     assert tok.decode(ids) == (
         "<|start_header_id|>ipython<|end_header_id|>\n\n42<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
@@ -149,11 +149,173 @@ def test_no_doubled_end_of_turn_after_an_unterminated_call_that_ended_at_eos(tok
     )
 
 
-def test_template_that_drops_earlier_reasoning_is_refused(tokenizer):
+def with_template(name: str, specials: list[str] = (), eos: str | None = None):
+    """The tiny tokenizer with another chat template and that template's own special tokens."""
     tok = AutoTokenizer.from_pretrained(REPO / "models" / "tiny")
-    tok.chat_template = (TEMPLATES / "qwen3_like.jinja").read_text()
-    with pytest.raises(ChatTemplateError, match="not prefix-preserving.*--chat-template"):
+    if specials:
+        tok.add_special_tokens({"additional_special_tokens": [AddedToken(s, special=True) for s in specials]})
+    if eos:
+        tok.eos_token = eos
+    tok.chat_template = (TEMPLATES / name).read_text()
+    return tok
+
+
+def test_template_that_drops_earlier_reasoning_is_accepted_with_a_warning(caplog):
+    """qwen3_like.jinja renders only the last assistant turn's <think> block: appending a turn re-renders
+    the one before, but the text after a tool call does not depend on earlier turns, so rollouts stay
+    exact (they never re-render) — accepted, with one warning that deployment renders another context."""
+    with caplog.at_level("WARNING", logger="rollout"):
+        t = ChatTemplate(with_template("qwen3_like.jinja"), [code_interpreter])
+    assert t.rerenders_history
+    assert "re-renders earlier turns" in caplog.text and "different context than training" in caplog.text
+    assert not ChatTemplate(AutoTokenizer.from_pretrained(REPO / "models" / "tiny")).rerenders_history
+
+
+def test_template_whose_tool_suffix_depends_on_earlier_turns_is_refused():
+    with pytest.raises(ChatTemplateError, match="tool-turn suffix depends on earlier turns.*--chat-template"):
+        ChatTemplate(with_template("unstable_suffix.jinja"), [code_interpreter])
+
+
+def test_unsupported_tool_call_format_says_so():
+    tok = AutoTokenizer.from_pretrained(REPO / "models" / "tiny")
+    tok.chat_template = (  # Mistral-style: a JSON list after [TOOL_CALLS]
+        "{%- for m in messages %}{%- if m.tool_calls %}[TOOL_CALLS]"
+        "{{ m.tool_calls | map(attribute='function') | list | tojson }}<|im_end|>"
+        "{%- else %}[{{ m.role }}]{{ m.content }}<|im_end|>{%- endif %}{%- endfor %}"
+    )
+    with pytest.raises(ChatTemplateError, match=r"\[TOOL_CALLS\].*not a tool-call format the rollout parses"):
         ChatTemplate(tok, [code_interpreter])
+
+
+QWEN3_SPECIALS = ["<think>", "</think>"]
+CALL = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(%d)"}}\n</tool_call>'
+
+
+def test_qwen3_thinking_rollout_with_parallel_calls_is_the_templates_conversation_token_for_token():
+    """The official Qwen3 template, <think>…</think> in every turn, two calls in one turn (the second a
+    continuation request after the stop at </tool_call>), a turn the model itself ends after its call, and
+    a final answer. Every request's prompt is the previous prompt + generated + appended ids, and the whole
+    rollout is, token for token, the template's own rendering of the conversation (Qwen3 keeps the
+    reasoning of the turns after the last user query): what is trained is what the template says."""
+    tok = with_template("qwen3.jinja", QWEN3_SPECIALS)
+    template = ChatTemplate(tok, [code_interpreter])
+    assert template.rerenders_history  # accepted: past queries' reasoning is dropped, the suffix is stable
+    script = [
+        "<think>\nFirst compute both.\n</think>\n\n" + CALL % 1,
+        "\n" + CALL % 2,  # continuation: a second call in the same turn; the cap (2) then closes the turn
+        "<think>\nOne more.\n</think>\n\n" + CALL % 3,
+        "<|im_end|>",  # continuation: the model ends the turn itself
+        "<think>\nAll 7.\n</think>\n\nThe answer is \\boxed{7}.<|im_end|>",
+    ]
+    client = ScriptedClient(tok, script)
+    ctx = RolloutContext(client, template, {}, 3, 2000, lambda: 0, asyncio.Semaphore(2), max_calls_per_turn=2)
+    episode = FakeEpisode(1, None)
+    prompt_ids = template.prompt_ids(episode.messages)
+    c = asyncio.run(tool_loop_rollout(ctx, episode, prompt_ids))
+    assert c.stop_reason == "eos" and [t.requests for t in c.turns] == [2, 2, 1]
+    assert [len(t.tool_calls) for t in c.turns] == [2, 1, 0] and episode.calls == 3
+    assert [tc.arguments for tc in c.tool_calls] == [
+        {"code": "print(1)"},
+        {"code": "print(2)"},
+        {"code": "print(3)"},
+    ]
+    sent = [p for p, _ in client.calls]
+    flat = [(t.generated_ids, t.appended_ids) for t in c.turns]
+    assert len(sent) == 5 and sent[0] == prompt_ids
+    assert sent[1] == prompt_ids + list(flat[0][0][: len(sent[1]) - len(prompt_ids)])  # continued in-turn
+    assert sent[2] == prompt_ids + [i for g, a in flat[:1] for i in (*g, *a)]
+    assert sent[4] == prompt_ids + [i for g, a in flat[:2] for i in (*g, *a)]
+    rendered = template.render(c.messages, add_generation_prompt=False)
+    assert tok.decode(prompt_ids + c.completion_ids) + "\n" == rendered
+    assert tok.encode(rendered, add_special_tokens=False) == prompt_ids + c.completion_ids + tok.encode("\n")
+    # the two responses of the first turn are grouped in one user turn, as the template groups them
+    assert tok.decode(c.turns[0].appended_ids) == (
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\n7\n</tool_response>\n<tool_response>\n7\n"
+        "</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert c.trajectory[0].message["content"] == "<think>\nFirst compute both.\n</think>"
+
+
+HARMONY_SPECIALS = [
+    "<|start|>",
+    "<|end|>",
+    "<|message|>",
+    "<|channel|>",
+    "<|constrain|>",
+    "<|call|>",
+    "<|return|>",
+]
+
+
+def test_gpt_oss_harmony_rollout_ids_are_the_templates():
+    """gpt-oss: reasoning on `analysis`, the call to functions.NAME on `commentary` ending at <|call|> (the
+    stop token, kept), the result as a message from the tool, the answer on `final`. The ids appended after
+    the call are exactly the template's rendering of the tool message and the next assistant header."""
+    tok = with_template("gptoss.jinja", HARMONY_SPECIALS, eos="<|return|>")
+    template = ChatTemplate(tok, [code_interpreter])
+    assert template.format == "harmony" and template.stop_token_ids == [tok.convert_tokens_to_ids("<|call|>")]
+    assert template.rerenders_history  # past analysis dropped, <|call|>/<|return|> re-rendered as <|end|>
+    call = (
+        "<|channel|>analysis<|message|>Run it.<|end|><|start|>assistant<|channel|>commentary "
+        'to=functions.code_interpreter <|constrain|>json<|message|>{"code": "print(7)"}<|call|>'
+    )
+    final = (
+        "<|channel|>analysis<|message|>It printed 7.<|end|><|start|>assistant<|channel|>final<|message|>"
+        "The answer is \\boxed{7}.<|return|>"
+    )
+    client = ScriptedClient(tok, [call, final])
+    ctx = RolloutContext(client, template, {}, 3, 4000, lambda: 0, asyncio.Semaphore(2))
+    episode = FakeEpisode(1, None)
+    prompt_ids = template.prompt_ids(episode.messages)
+    rendered_prompt = template.render(episode.messages, add_generation_prompt=True)
+    assert prompt_ids == tok.encode(rendered_prompt, add_special_tokens=False)
+    c = asyncio.run(tool_loop_rollout(ctx, episode, prompt_ids))
+    assert c.stop_reason == "eos" and len(c.turns) == 2
+    assert [(tc.name, tc.arguments, tc.failed) for tc in c.tool_calls] == [
+        ("code_interpreter", {"code": "print(7)"}, False)
+    ]
+    first = c.turns[0]
+    assert list(first.generated_ids) == tok.encode(call, add_special_tokens=False)
+    assert client.calls[1][0] == prompt_ids + list(first.generated_ids) + list(first.appended_ids)
+    # the template's own rendering of the conversation so far, after the <|call|> that ended the turn
+    history = template.render(c.messages[:-1], add_generation_prompt=True)
+    assert tok.decode(first.appended_ids) == history[history.rindex("<|call|>") + len("<|call|>") :]
+    assert tok.decode(first.appended_ids) == (
+        "<|start|>functions.code_interpreter to=assistant<|channel|>commentary<|message|>"
+        '"7"<|end|><|start|>assistant'
+    )
+    assert c.messages[-1] == {
+        "role": "assistant",
+        "content": "The answer is \\boxed{7}.",
+        "thinking": "It printed 7.",
+    }
+    assert (
+        c.messages[1]["thinking"] == "Run it."
+        and c.messages[1]["tool_calls"][0]["function"]["name"] == "code_interpreter"
+    )
+    # tool output is a JSON string in harmony: quotes and newlines escaped, markers still plain text
+    out = 'x = "<|end|>"\n'
+    ids = template.tool_response_ids([{"role": "tool", "name": "code_interpreter", "content": out}])
+    assert tok.decode(ids).split("<|message|>")[1] == '"x = \\"<|end|>\\"\\n"<|end|><|start|>assistant'
+    assert ids.count(tok.convert_tokens_to_ids("<|end|>")) == 1
+
+
+def test_harmony_parse_tool_calls():
+    template = ChatTemplate(
+        with_template("gptoss.jinja", HARMONY_SPECIALS, eos="<|return|>"), [code_interpreter]
+    )
+    header = "<|channel|>commentary to=functions.code_interpreter <|constrain|>json<|message|>"
+    assert template.parse_tool_calls(header + '{"code": "1"}<|call|>') == [
+        ("code_interpreter", {"code": "1"}, None)
+    ]
+    assert template.parse_tool_calls(
+        ' to=functions.f<|channel|>commentary json<|message|>{"a": 1}<|call|>'
+    ) == [("f", {"a": 1}, None)]
+    (bad,) = template.parse_tool_calls(header + '{"code": <|call|>')
+    assert bad[0] == "code_interpreter" and bad[2].startswith("tool call is not valid JSON")
+    (unterminated,) = template.parse_tool_calls(header + '{"code": "1"}<|return|>')
+    assert "unterminated" in unterminated[2]
+    assert template.parse_tool_calls("<|channel|>final<|message|>4<|return|>") == []
 
 
 def test_parse_tool_calls(tokenizer):
