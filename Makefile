@@ -23,7 +23,7 @@ $(STAMPS)/install: requirements.txt requirements-engine-$(ENGINE).txt
 	@mkdir -p $(STAMPS) && touch $@
 
 tiny-model: models/tiny/config.json models/tiny-tied/config.json models/tiny-warm/config.json \
-	models/tiny-demo/config.json
+	models/tiny-demo/config.json models/tiny-warm2/config.json
 
 models/tiny/config.json: scripts/make_tiny_model.py $(STAMPS)/install
 	$(PY) scripts/make_tiny_model.py --out models/tiny
@@ -40,6 +40,10 @@ models/tiny-warm/config.json: models/tiny/config.json scripts/make_tiny_model.py
 
 models/tiny-demo/config.json: models/tiny-warm/config.json scripts/make_tiny_model.py data/retool_train.jsonl
 	$(PY) scripts/make_tiny_model.py --warm-from models/tiny-warm --tool-fraction 0.15 --out models/tiny-demo
+
+# tiny-warm2: two parallel calls in each tool turn (tests of hermes parallel calls), from tiny-warm.
+models/tiny-warm2/config.json: models/tiny-warm/config.json scripts/make_tiny_model.py data/retool_train.jsonl
+	$(PY) scripts/make_tiny_model.py --warm-from models/tiny-warm --calls-per-turn 2 --steps 100 --out models/tiny-warm2
 
 test: install tiny-model
 	.venv/bin/ruff check .

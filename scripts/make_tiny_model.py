@@ -6,6 +6,8 @@
         --out models/tiny-warm                                      # calls the tool (2-5 min on CPU)
     python scripts/make_tiny_model.py --warm-from models/tiny-warm --tool-fraction 0.15 \
         --out models/tiny-demo                                      # knows the format, rarely calls
+    python scripts/make_tiny_model.py --warm-from models/tiny-warm --calls-per-turn 2 --steps 100 \
+        --out models/tiny-warm2                                     # two parallel calls per tool turn
 
 The model is a Qwen2 causal LM (hidden 128, 2 layers, head_dim 64 — vLLM's CPU attention rejects 16)
 with a byte-level BPE tokenizer trained here on a synthetic corpus, digits split one per token so
@@ -239,17 +241,24 @@ def guess(answer: str, rng: random.Random) -> str:
             return g
 
 
-def trace_messages(row: dict, episode, use_tool: bool, rng: random.Random) -> list[dict]:
+def trace_messages(
+    row: dict, episode, use_tool: bool, rng: random.Random, calls_per_turn: int = 1
+) -> list[dict]:
     if not use_tool:
         return episode.messages + [
             {"role": "assistant", "content": f"The answer is \\boxed{{{guess(row['answer'], rng)}}}."}
         ]
     code, value = tool_program(row)
-    call = {"type": "function", "function": {"name": "code_interpreter", "arguments": {"code": code}}}
+    # Parallel calls: the same program again, marked as a check (a second call the model must copy).
+    codes = [code] + [f"{code}  # check" for _ in range(calls_per_turn - 1)]
+    calls = [
+        {"type": "function", "function": {"name": "code_interpreter", "arguments": {"code": c}}}
+        for c in codes
+    ]
     # envs.retool.format_result gives a normal run's output unchanged: print's text with its newline.
     return episode.messages + [
-        {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "name": "code_interpreter", "content": f"{value}\n"},
+        {"role": "assistant", "content": "", "tool_calls": calls},
+        *({"role": "tool", "name": "code_interpreter", "content": f"{value}\n"} for _ in codes),
         {"role": "assistant", "content": f"The answer is \\boxed{{{value}}}."},
     ]
 
@@ -257,7 +266,9 @@ def trace_messages(row: dict, episode, use_tool: bool, rng: random.Random) -> li
 def generated_mask(ids: list[int], header: list[int], im_start: int, im_end: int, call_end: int) -> list[int]:
     """1 on the ids the model generates in a rollout, 0 on context. An assistant turn's generated ids
     start after its header (`<|im_start|>` + `header`) and end at the first `</tool_call>` (a tool-calling
-    turn: the worker appends the `<|im_end|>` after it) or `<|im_end|>` (an answer turn), inclusive."""
+    turn: the worker appends the `<|im_end|>` after it) or `<|im_end|>` (an answer turn), inclusive.
+    Parallel-call traces pass `call_end=im_end`: the whole turn is generated (continuation requests after
+    each `</tool_call>`, and the model's own `<|im_end|>` ends the turn)."""
     mask = [0] * len(ids)
     i = 0
     while i < len(ids):
@@ -272,7 +283,9 @@ def generated_mask(ids: list[int], header: list[int], im_start: int, im_end: int
     return mask
 
 
-def encode_trace(tokenizer, messages: list[dict], tools: list) -> tuple[list[int], list[int]]:
+def encode_trace(
+    tokenizer, messages: list[dict], tools: list, parallel: bool = False
+) -> tuple[list[int], list[int]]:
     """(ids, generated mask) of one rendered trace. Checks token-in/token-out agreement: the ids of every
     prompt a rollout would send (each assistant turn's generation prompt) are a prefix of these ids."""
 
@@ -295,7 +308,7 @@ def encode_trace(tokenizer, messages: list[dict], tools: list) -> tuple[list[int
         assert ids[: len(prompt)] == prompt, "a generation prompt does not tokenize as a prefix of the trace"
         # The assistant header's ids (`assistant\n`): what follows the prompt's last <|im_start|>.
         header = prompt[len(prompt) - prompt[::-1].index(im_start) :]
-    return ids, generated_mask(ids, header, im_start, im_end, call_end)
+    return ids, generated_mask(ids, header, im_start, im_end, im_end if parallel else call_end)
 
 
 def batch_loss(
@@ -403,8 +416,8 @@ def warm_start(args: argparse.Namespace) -> None:
     traces = []
     for row in load_rows(args.train):
         episode = make_episode(row)
-        messages = trace_messages(row, episode, rng.random() < args.tool_fraction, rng)
-        traces.append(encode_trace(tokenizer, messages, episode.tools))
+        messages = trace_messages(row, episode, rng.random() < args.tool_fraction, rng, args.calls_per_turn)
+        traces.append(encode_trace(tokenizer, messages, episode.tools, args.calls_per_turn > 1))
     n_prefix = min(len(ids) for ids, _ in traces)
     for ids, _ in traces:  # the longest id prefix every trace shares
         n_prefix = next((i for i in range(n_prefix) if ids[i] != traces[0][0][i]), n_prefix)
@@ -466,6 +479,12 @@ def main() -> None:
         "--warm-from", default=None, help="fine-tune the model in this directory instead of building one"
     )
     p.add_argument("--tool-fraction", type=float, default=1.0, help="fraction of traces that call the tool")
+    p.add_argument(
+        "--calls-per-turn",
+        type=int,
+        default=1,
+        help="tool calls in each tool trace's assistant turn (2: parallel)",
+    )
     p.add_argument("--steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=32, help="traces per step")
     p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (warmup, cosine to 10%%)")

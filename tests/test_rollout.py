@@ -33,7 +33,7 @@ from rollout import (
     tool_loop_rollout,
 )
 from sampling import Sampling, token_logprobs_and_entropy
-from vllm_server import free_port
+from vllm_server import free_port, start_vllm_server
 
 REPO = Path(__file__).resolve().parent.parent
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -820,3 +820,73 @@ def test_max_staleness_zero_is_synchronous(vllm_server, served_model):
         worker.stop()
     assert [g.admitted_version for g in first] == [0, 0, 0] and second.admitted_version == 1
     assert set(first[0].metrics) == set(second.metrics)  # the same keys from every group
+
+
+@pytest.fixture(scope="module")
+def warm2_server(tmp_path_factory):
+    """A server of its own on models/tiny-warm2, fine-tuned to make two parallel calls per tool turn."""
+    from conftest import model_dir
+
+    model = model_dir("tiny-warm2")
+    server = start_vllm_server(str(model), log_dir=tmp_path_factory.mktemp("vllm-warm2"), timeout_s=600)
+    yield server, model
+    server.stop()
+
+
+@pytest.mark.timeout(900)
+def test_real_parallel_calls_in_one_turn_rescore_exactly(warm2_server):
+    """Hermes parallel calls on the real engine: after each stop at </tool_call> the same turn continues
+    (prompt + generated so far) until the model ends it with <|im_end|> or makes max_calls_per_turn calls;
+    the calls run together and their responses come back grouped in one user turn. Each turn's ids are the
+    vLLM returns of its requests, back to back, and re-scoring the whole sequence reproduces μ."""
+    server, model_path = warm2_server
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    env = load_env("retool")
+    make_episode = functools.partial(env.make_episode, sandbox=Sandbox(4))
+    rows = load_rows(str(REPO / "data" / "retool_test.jsonl"))[:6]
+    template = ChatTemplate(tokenizer, make_episode(rows[0]).tools)
+    client = SpyClient([server.url], str(model_path))
+    sampling = Sampling(1.0)
+    worker = AsyncRolloutWorker(
+        client, template, make_episode, iter(rows), num_generations=4, groups_per_version=6,
+        max_staleness=0, max_turns=3, max_calls_per_turn=3, max_context=1024,
+        sampling=sampling.request_fields(), seed=0,
+    )  # fmt: skip
+    worker.start()
+    try:
+        groups = [worker.queue.get(timeout=400) for _ in range(6)]
+    finally:
+        worker.stop()
+    completions = [c for g in groups for c in g.completions]
+    parallel = [t for c in completions for t in c.turns if len(t.tool_calls) >= 2]
+    assert len(parallel) >= len(completions) // 2, "the warm2 model should make two calls in most tool turns"
+    assert all(t.requests >= len(t.tool_calls) for t in parallel)
+    call_end = tokenizer.convert_tokens_to_ids("</tool_call>")
+    returned = {tuple(ids) for ids in client.returned}
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    worst = 0.0
+    for g in groups:
+        for c in g.completions:
+            for t in c.turns:  # the requests of a turn: each piece ends at a </tool_call> (but the last)
+                pieces, start = [], 0
+                for i, tok in enumerate(t.generated_ids):
+                    if tok == call_end:
+                        pieces.append(t.generated_ids[start : i + 1])
+                        start = i + 1
+                if start < len(t.generated_ids):
+                    pieces.append(t.generated_ids[start:])
+                assert len(pieces) == t.requests and all(tuple(p) in returned for p in pieces)
+                if len(t.tool_calls) >= 2:  # grouped in one user turn, as the template renders them
+                    text = tokenizer.decode(t.appended_ids)
+                    assert text.count("<|im_start|>user") == 1 and text.count("<tool_response>") == len(
+                        t.tool_calls
+                    )
+            ids = torch.tensor([g.prompt_ids + c.completion_ids])
+            with torch.no_grad():
+                logits = model(ids).logits[0, len(g.prompt_ids) - 1 : -1]
+            logprobs, _ = token_logprobs_and_entropy(logits, ids[0, len(g.prompt_ids) :], sampling)
+            mask = torch.tensor(c.loss_mask, dtype=torch.bool)
+            worst = max(worst, (logprobs[mask] - torch.tensor(c.behaviour_logprobs)[mask]).abs().max().item())
+    n_calls = sum(len(t.tool_calls) for t in parallel)
+    print(f"{len(parallel)} parallel turns, {n_calls} calls, {len(completions)} rollouts, |Δ| {worst:.2e}")
+    assert worst < 1e-3, f"behaviour logprobs differ from a transformers re-score by {worst}"
