@@ -344,12 +344,13 @@ def run_tool(episode, code: str) -> str:
 
 
 @torch.no_grad()
-def self_check(model, tokenizer, rows: list[dict], max_new_tokens: int = 64) -> dict:
-    """Greedy, on held-out rows: does the first turn call code_interpreter with a `code` argument, and is the
-    final \\boxed{} answer right once the real interpreter's output is fed back (rendered by the template)?
-    Greedy hides a tool habit below 50%, so also the mean first-token probability of `<tool_call>`."""
+def self_check(model, tokenizer, rows: list[dict], calls_per_turn: int = 1) -> dict:
+    """Greedy, on held-out rows: does the first turn make `calls_per_turn` well-formed code_interpreter
+    calls, and is the final \\boxed{} answer right once the real interpreter's output is fed back (rendered by
+    the template)? Greedy hides a tool habit below 50%, so also the mean first-token probability of
+    `<tool_call>`. A single-call model stops at `</tool_call>`; a parallel one writes its whole turn."""
     model.eval()
-    stop = tokenizer.convert_tokens_to_ids(["</tool_call>", "<|im_end|>"])
+    stop = tokenizer.convert_tokens_to_ids(["</tool_call>", "<|im_end|>"][calls_per_turn > 1 :])
     call_start = tokenizer.convert_tokens_to_ids("<tool_call>")
     n_call = n_right = 0
     p_call = 0.0
@@ -362,44 +363,50 @@ def self_check(model, tokenizer, rows: list[dict], max_new_tokens: int = 64) -> 
             )
             ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)])
             out = model.generate(
-                ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop, pad_token_id=stop[1]
+                ids,
+                max_new_tokens=64 * calls_per_turn,
+                do_sample=False,
+                eos_token_id=stop,
+                pad_token_id=stop[-1],
             )
             if _turn == 0:  # how often sampling at temperature 1 would open with a tool call
                 p_call += model(ids).logits[0, -1].softmax(-1)[call_start].item()
             text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=False)
-            call = parse_tool_call(text)
-            if call is None:
+            calls = parse_tool_calls(text)
+            if not calls:
                 messages.append({"role": "assistant", "content": text.removesuffix("<|im_end|>")})
                 break
-            n_call += _turn == 0
-            messages.append(
-                {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]}
-            )
+            n_call += _turn == 0 and len(calls) == calls_per_turn
             messages.append(
                 {
-                    "role": "tool",
-                    "name": call["name"],
-                    "content": run_tool(episode, call["arguments"]["code"]),
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [{"type": "function", "function": c} for c in calls],
                 }
             )
+            for c in calls:
+                messages.append(
+                    {"role": "tool", "name": c["name"], "content": run_tool(episode, c["arguments"]["code"])}
+                )
         n_right += episode.reward(messages, []) == 1.0
     model.train()
     n = len(rows)
     return {"tool_call_rate": n_call / n, "correct_rate": n_right / n, "p_tool_call": p_call / n, "n": n}
 
 
-def parse_tool_call(text: str) -> dict | None:
-    """{"name", "arguments"} of a well-formed code_interpreter call in `text`, else None."""
-    m = re.search(r"<tool_call>(.*?)</tool_call>", text, re.DOTALL)
-    if m is None:
-        return None
-    try:
-        call = json.loads(m.group(1))
-    except json.JSONDecodeError:
-        return None
-    ok = isinstance(call, dict) and call.get("name") == "code_interpreter"
-    ok = ok and isinstance(call.get("arguments"), dict) and isinstance(call["arguments"].get("code"), str)
-    return call if ok else None
+def parse_tool_calls(text: str) -> list[dict]:
+    """{"name", "arguments"} of each well-formed code_interpreter call in `text`."""
+    calls = []
+    for body in re.findall(r"<tool_call>(.*?)</tool_call>", text, re.DOTALL):
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError:
+            continue
+        ok = isinstance(call, dict) and call.get("name") == "code_interpreter"
+        ok = ok and isinstance(call.get("arguments"), dict) and isinstance(call["arguments"].get("code"), str)
+        if ok:
+            calls.append(call)
+    return calls
 
 
 def warm_start(args: argparse.Namespace) -> None:
@@ -457,11 +464,11 @@ def warm_start(args: argparse.Namespace) -> None:
     tokenizer.save_pretrained(out)
     if args.check_n > 0:
         rows = [r for r in load_rows(args.test) if r["kind"] == "product"][: args.check_n]
-        stats = self_check(model, tokenizer, rows)
+        stats = self_check(model, tokenizer, rows, args.calls_per_turn)
         print(
             f"self-check on {stats['n']} held-out products (greedy): tool-call rate "
-            f"{stats['tool_call_rate']:.2f}, correct with real tool output {stats['correct_rate']:.2f}, "
-            f"mean p(<tool_call> first) {stats['p_tool_call']:.2f}"
+            f"({args.calls_per_turn} per turn) {stats['tool_call_rate']:.2f}, correct with real tool output "
+            f"{stats['correct_rate']:.2f}, mean p(<tool_call> first) {stats['p_tool_call']:.2f}"
         )
     print(f"wrote {out}")
 

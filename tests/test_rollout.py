@@ -382,6 +382,13 @@ def test_records_refuse_misaligned_tokens():
     assert c.loss_mask == [1, 1, 0, 0, 0]
     assert c.trim_to(3) == 2 and c.completion_ids == [1, 2, 7] and c.loss_mask == [1, 1, 0]
     assert c.trim_to(1) == 2 and c.completion_ids == [1] and c.behaviour_logprobs == [-0.1]
+    # a continuation request of the same turn: its ids follow the turn's, back to back
+    c.continue_turn(TurnRecord((3,), (-0.3,), "stop", (1, 2)))
+    assert c.completion_ids == [1, 3] and c.behaviour_logprobs == [-0.1, -0.3] and c.loss_mask == [1, 1]
+    assert len(c.turns) == 1 and c.turns[0].requests == 2 and c.turns[0].model_versions == (0, 2)
+    c.append_context([9])
+    with pytest.raises(TokenAccountingError):
+        c.continue_turn(TurnRecord((4,), (-0.4,), "stop", (2, 2)))  # the turn was closed by context ids
 
 
 @pytest.mark.parametrize(
@@ -441,9 +448,10 @@ TOOL_TURN = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "pr
     max_turns=st.integers(1, 5),
     max_context=st.integers(20, 400),
     done_after=st.one_of(st.none(), st.integers(1, 3)),
+    max_calls=st.integers(1, 3),
 )
 def test_tool_loop_keeps_arrays_aligned_and_in_budget(
-    tokenizer, turns, output_len, max_turns, max_context, done_after
+    tokenizer, turns, output_len, max_turns, max_context, done_after, max_calls
 ):
     texts = {
         "tool": TOOL_TURN,
@@ -455,7 +463,16 @@ def test_tool_loop_keeps_arrays_aligned_and_in_budget(
     template = ChatTemplate(tokenizer, [code_interpreter])
     client = ScriptedClient(tokenizer, [texts[t] for t in turns])
     prompt_ids = list(range(10))
-    ctx = RolloutContext(client, template, {}, max_turns, max_context, lambda: 0, asyncio.Semaphore(2))
+    ctx = RolloutContext(
+        client,
+        template,
+        {},
+        max_turns,
+        max_context,
+        lambda: 0,
+        asyncio.Semaphore(2),
+        max_calls_per_turn=max_calls,
+    )
     episode = FakeEpisode(output_len, done_after)
     c = asyncio.run(tool_loop_rollout(ctx, episode, prompt_ids))
 
@@ -468,10 +485,11 @@ def test_tool_loop_keeps_arrays_aligned_and_in_budget(
     assert all(lp == 0.0 for lp, m in zip(c.behaviour_logprobs, c.loss_mask) if m == 0)
     assert len(c.turns) <= max_turns
     # every request's prompt is the prompt plus everything recorded before it: nothing re-encoded
-    for (sent, max_tokens), k in zip(client.calls, range(len(c.turns))):
-        before = [i for t in c.turns[:k] for i in (*t.generated_ids, *t.appended_ids)]
-        assert sent == prompt_ids + before
+    assert len(client.calls) == sum(t.requests for t in c.turns)
+    for sent, max_tokens in client.calls:
+        assert sent == prompt_ids + c.completion_ids[: len(sent) - len(prompt_ids)]
         assert len(sent) + max_tokens <= max_context
+    assert all(len(t.tool_calls) <= max_calls for t in c.turns)
     if c.stop_reason == "max_turns":
         assert c.turns[-1].tool_calls == () and len(c.turns) == max_turns
 
