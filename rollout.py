@@ -188,7 +188,7 @@ class ChatTemplate:
             "harmony": "to=functions.probe_tool" in call[:at],
             "llama3": call.replace("<|python_tag|>", "").lstrip().startswith('{"name": "probe_tool"'),
         }[self.format]
-        if at < 0 or not supported or self._call_end not in call[at:]:
+        if at < 0 or not supported or not self._call_end or self._call_end not in call[at:]:
             raise ChatTemplateError(
                 f"the chat template writes a tool call as {call!r}: not a tool-call format the rollout "
                 "parses (hermes <tool_call>…</tool_call> as Qwen2.5/Qwen3, gpt-oss harmony, Llama-3.1 JSON). "
@@ -196,7 +196,7 @@ class ChatTemplate:
             )
 
     def _tool_suffix(self, history: list[dict], tool_messages: list[dict]) -> tuple[str, str]:
-        """(text, text with sentinel contents) the template writes after the last tool call of an
+        """(text with sentinel contents, text) the template writes after the last tool call of an
         assistant turn that follows `history` and calls the tools of `tool_messages`: the rest of that
         turn, the tool messages and the next assistant header."""
         names = [m.get("name") or "probe_tool" for m in tool_messages] or ["probe_tool"]
