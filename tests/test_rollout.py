@@ -759,24 +759,48 @@ class SpyClient(VLLMClient):
         return gen
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(1.0, top_p=0.9, top_k=20)], ids=str)
-def test_real_multi_turn_rollouts_rescore_exactly(vllm_server, served_model, sampling):
-    tokenizer = AutoTokenizer.from_pretrained(served_model)
+def real_retool_groups(url: str, model_path: Path, n_groups: int, **worker_kw):
+    """`n_groups` scored groups of 4 seeded retool rollouts (real sandbox) from a real server, with the spy
+    client that saw every vLLM return, and the template and tokenizer they used."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
     env = load_env("retool")
     make_episode = functools.partial(env.make_episode, sandbox=Sandbox(4))
-    rows = load_rows(str(REPO / "data" / "retool_test.jsonl"))[:8]
+    rows = load_rows(str(REPO / "data" / "retool_test.jsonl"))[:n_groups]
     template = ChatTemplate(tokenizer, make_episode(rows[0]).tools)
-    client = SpyClient([vllm_server.url], str(served_model))
+    client = SpyClient([url], str(model_path))
     worker = AsyncRolloutWorker(
-        client, template, make_episode, iter(rows), num_generations=4, groups_per_version=8,
-        max_staleness=0, max_turns=3, max_context=768, sampling=sampling.request_fields(), seed=0,
+        client, template, make_episode, iter(rows), num_generations=4, groups_per_version=n_groups,
+        max_staleness=0, max_turns=3, seed=0, **worker_kw,
     )  # fmt: skip
     worker.start()
     try:
-        groups = [worker.queue.get(timeout=300) for _ in range(8)]
+        groups = [worker.queue.get(timeout=400) for _ in range(n_groups)]
     finally:
         worker.stop()
+    return groups, client, template, tokenizer
+
+
+def rescore_gap(
+    model, prompt_ids: list[int], c: RolloutCompletion, sampling: Sampling
+) -> tuple[float, float]:
+    """Max |Δ| between the behaviour logprobs and a transformers re-score of prompt + completion on the
+    generated tokens: with the run's sampling (what the trainer computes), and untruncated."""
+    ids = torch.tensor([prompt_ids + c.completion_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1]
+    logprobs, _ = token_logprobs_and_entropy(logits, ids[0, len(prompt_ids) :], sampling)
+    untruncated = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt_ids) :, None])[:, 0]
+    mask = torch.tensor(c.loss_mask, dtype=torch.bool)
+    behaviour = torch.tensor(c.behaviour_logprobs)[mask]
+    return (logprobs[mask] - behaviour).abs().max().item(), (untruncated[mask] - behaviour).abs().max().item()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(1.0, top_p=0.9, top_k=20)], ids=str)
+def test_real_multi_turn_rollouts_rescore_exactly(vllm_server, served_model, sampling):
+    groups, client, template, tokenizer = real_retool_groups(
+        vllm_server.url, served_model, 8, max_context=768, sampling=sampling.request_fields()
+    )
     completions = [c for g in groups for c in g.completions]
     multi_turn = [c for c in completions if len(c.turns) > 1]
     assert len(multi_turn) >= len(completions) // 2, "the warm model should call the tool in most rollouts"
@@ -800,15 +824,8 @@ def test_real_multi_turn_rollouts_rescore_exactly(vllm_server, served_model, sam
                     assert list(t.appended_ids) == expected[: len(t.appended_ids)]
                     k += n
             # 3. re-scoring prompt + completion reproduces the behaviour logprobs on generated tokens
-            ids = torch.tensor([g.prompt_ids + c.completion_ids])
-            with torch.no_grad():
-                logits = model(ids).logits[0, len(g.prompt_ids) - 1 : -1]
-            logprobs, _ = token_logprobs_and_entropy(logits, ids[0, len(g.prompt_ids) :], sampling)
-            untruncated = torch.log_softmax(logits, -1).gather(-1, ids[0, len(g.prompt_ids) :, None])[:, 0]
-            mask = torch.tensor(c.loss_mask, dtype=torch.bool)
-            behaviour = torch.tensor(c.behaviour_logprobs)[mask]
-            worst = max(worst, (logprobs[mask] - behaviour).abs().max().item())
-            worst_untruncated = max(worst_untruncated, (untruncated[mask] - behaviour).abs().max().item())
+            gap, gap_untruncated = rescore_gap(model, g.prompt_ids, c, sampling)
+            worst, worst_untruncated = max(worst, gap), max(worst_untruncated, gap_untruncated)
     print(f"{sampling}: max |Δ logprob| {worst:.2e} (untruncated re-score: {worst_untruncated:.2e})")
     assert worst < 1e-3, f"behaviour logprobs differ from a transformers re-score by {worst}"
     if sampling.truncates:  # the truncation is real: scoring the full distribution would be wrong
@@ -858,27 +875,16 @@ def test_real_parallel_calls_in_one_turn_rescore_exactly(warm2_server):
     the calls run together and their responses come back grouped in one user turn. Each turn's ids are the
     vLLM returns of its requests, back to back, and re-scoring the whole sequence reproduces μ."""
     server, model_path = warm2_server
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    env = load_env("retool")
-    make_episode = functools.partial(env.make_episode, sandbox=Sandbox(4))
-    rows = load_rows(str(REPO / "data" / "retool_test.jsonl"))[:6]
-    template = ChatTemplate(tokenizer, make_episode(rows[0]).tools)
-    client = SpyClient([server.url], str(model_path))
     sampling = Sampling(1.0)
-    worker = AsyncRolloutWorker(
-        client, template, make_episode, iter(rows), num_generations=4, groups_per_version=6,
-        max_staleness=0, max_turns=3, max_calls_per_turn=3, max_context=1024,
-        sampling=sampling.request_fields(), seed=0,
-    )  # fmt: skip
-    worker.start()
-    try:
-        groups = [worker.queue.get(timeout=400) for _ in range(6)]
-    finally:
-        worker.stop()
+    groups, client, template, tokenizer = real_retool_groups(
+        server.url, model_path, 6, max_calls_per_turn=3, max_context=1024, sampling=sampling.request_fields()
+    )
     completions = [c for g in groups for c in g.completions]
     parallel = [t for c in completions for t in c.turns if len(t.tool_calls) >= 2]
     assert len(parallel) >= len(completions) // 2, "the warm2 model should make two calls in most tool turns"
     assert all(t.requests >= len(t.tool_calls) for t in parallel)
+    # below the cap, the model ends its turn itself: a last request after its calls that writes <|im_end|>
+    assert any(t.requests == len(t.tool_calls) + 1 for t in parallel)
     call_end = tokenizer.convert_tokens_to_ids("</tool_call>")
     returned = {tuple(ids) for ids in client.returned}
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -896,15 +902,9 @@ def test_real_parallel_calls_in_one_turn_rescore_exactly(warm2_server):
                 assert len(pieces) == t.requests and all(tuple(p) in returned for p in pieces)
                 if len(t.tool_calls) >= 2:  # grouped in one user turn, as the template renders them
                     text = tokenizer.decode(t.appended_ids)
-                    assert text.count("<|im_start|>user") == 1 and text.count("<tool_response>") == len(
-                        t.tool_calls
-                    )
-            ids = torch.tensor([g.prompt_ids + c.completion_ids])
-            with torch.no_grad():
-                logits = model(ids).logits[0, len(g.prompt_ids) - 1 : -1]
-            logprobs, _ = token_logprobs_and_entropy(logits, ids[0, len(g.prompt_ids) :], sampling)
-            mask = torch.tensor(c.loss_mask, dtype=torch.bool)
-            worst = max(worst, (logprobs[mask] - torch.tensor(c.behaviour_logprobs)[mask]).abs().max().item())
+                    assert text.count("<|im_start|>user") == 1
+                    assert text.count("<tool_response>") == len(t.tool_calls)
+            worst = max(worst, rescore_gap(model, g.prompt_ids, c, sampling)[0])
     n_calls = sum(len(t.tool_calls) for t in parallel)
     print(f"{len(parallel)} parallel turns, {n_calls} calls, {len(completions)} rollouts, |Δ| {worst:.2e}")
     assert worst < 1e-3, f"behaviour logprobs differ from a transformers re-score by {worst}"
