@@ -41,9 +41,12 @@ models/tiny-warm/config.json: models/tiny/config.json scripts/make_tiny_model.py
 models/tiny-demo/config.json: models/tiny-warm/config.json scripts/make_tiny_model.py data/retool_train.jsonl
 	$(PY) scripts/make_tiny_model.py --warm-from models/tiny-warm --tool-fraction 0.15 --out models/tiny-demo
 
-# tiny-warm2: two parallel calls in each tool turn (tests of hermes parallel calls), from tiny-warm.
-models/tiny-warm2/config.json: models/tiny-warm/config.json scripts/make_tiny_model.py data/retool_train.jsonl
-	$(PY) scripts/make_tiny_model.py --warm-from models/tiny-warm --calls-per-turn 2 --steps 100 --out models/tiny-warm2
+# tiny-warm2, from tiny-warm: the official Qwen3 thinking template, <think> in every turn, two parallel
+# calls in each tool turn (the real-engine test of Qwen3 thinking and hermes parallel calls).
+models/tiny-warm2/config.json: models/tiny-warm/config.json scripts/make_tiny_model.py data/retool_train.jsonl \
+	tests/templates/qwen3.jinja
+	$(PY) scripts/make_tiny_model.py --warm-from models/tiny-warm --calls-per-turn 2 --thinking --steps 100 \
+		--out models/tiny-warm2
 
 test: install tiny-model
 	.venv/bin/ruff check .

@@ -6,8 +6,8 @@
         --out models/tiny-warm                                      # calls the tool (2-5 min on CPU)
     python scripts/make_tiny_model.py --warm-from models/tiny-warm --tool-fraction 0.15 \
         --out models/tiny-demo                                      # knows the format, rarely calls
-    python scripts/make_tiny_model.py --warm-from models/tiny-warm --calls-per-turn 2 --steps 100 \
-        --out models/tiny-warm2                                     # two parallel calls per tool turn
+    python scripts/make_tiny_model.py --warm-from models/tiny-warm --calls-per-turn 2 --thinking \
+        --steps 100 --out models/tiny-warm2     # Qwen3 thinking template, two parallel calls per tool turn
 
 The model is a Qwen2 causal LM (hidden 128, 2 layers, head_dim 64 — vLLM's CPU attention rejects 16)
 with a byte-level BPE tokenizer trained here on a synthetic corpus, digits split one per token so
@@ -60,6 +60,9 @@ from envs.retool import make_episode  # noqa: E402
 # another distribution than the trainer scores, so every real-engine test runs under that condition. The
 # warm variants inherit them (save_pretrained writes the loaded model's generation config).
 SAMPLING_DEFAULTS = dict(do_sample=True, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)
+
+# The official Qwen3 template (thinking), kept once in the repository for the tests and `--thinking`.
+QWEN3_TEMPLATE = Path(__file__).resolve().parent.parent / "tests" / "templates" / "qwen3.jinja"
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -242,8 +245,10 @@ def guess(answer: str, rng: random.Random) -> str:
 
 
 def trace_messages(
-    row: dict, episode, use_tool: bool, rng: random.Random, calls_per_turn: int = 1
+    row: dict, episode, use_tool: bool, rng: random.Random, calls_per_turn: int = 1, thinking: bool = False
 ) -> list[dict]:
+    if thinking:  # every assistant turn opens with a short reasoning block, as Qwen3 writes it
+        return think(trace_messages(row, episode, use_tool, rng, calls_per_turn))
     if not use_tool:
         return episode.messages + [
             {"role": "assistant", "content": f"The answer is \\boxed{{{guess(row['answer'], rng)}}}."}
@@ -261,6 +266,18 @@ def trace_messages(
         *({"role": "tool", "name": "code_interpreter", "content": f"{value}\n"} for _ in codes),
         {"role": "assistant", "content": f"The answer is \\boxed{{{value}}}."},
     ]
+
+
+def think(messages: list[dict]) -> list[dict]:
+    """The trace with a `<think>` block opening each assistant turn (Qwen3's template keeps the reasoning
+    of every turn after the last user query, so all of it is rendered)."""
+    out = []
+    for m in messages:
+        if m["role"] == "assistant":
+            reason = "Run the code." if m.get("tool_calls") else "The tool printed the value."
+            m = {**m, "content": f"<think>\n{reason}\n</think>\n\n{m['content']}"}
+        out.append(m)
+    return out
 
 
 def generated_mask(ids: list[int], header: list[int], im_start: int, im_end: int, call_end: int) -> list[int]:
@@ -416,6 +433,10 @@ def warm_start(args: argparse.Namespace) -> None:
     rng = random.Random(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.warm_from)
     model = AutoModelForCausalLM.from_pretrained(args.warm_from, dtype=torch.float32)
+    if args.thinking:  # Qwen3's template and its reasoning markers (added tokens, not special, as in Qwen3)
+        tokenizer.add_tokens(["<think>", "</think>"])
+        tokenizer.chat_template = QWEN3_TEMPLATE.read_text()
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     model.train()
 
     # Traces: one per train row, tool or direct drawn once; the direct guesses are fixed per row.
@@ -423,7 +444,8 @@ def warm_start(args: argparse.Namespace) -> None:
     traces = []
     for row in load_rows(args.train):
         episode = make_episode(row)
-        messages = trace_messages(row, episode, rng.random() < args.tool_fraction, rng, args.calls_per_turn)
+        use_tool = rng.random() < args.tool_fraction
+        messages = trace_messages(row, episode, use_tool, rng, args.calls_per_turn, args.thinking)
         traces.append(encode_trace(tokenizer, messages, episode.tools, args.calls_per_turn > 1))
     n_prefix = min(len(ids) for ids, _ in traces)
     for ids, _ in traces:  # the longest id prefix every trace shares
@@ -491,6 +513,9 @@ def main() -> None:
         type=int,
         default=1,
         help="tool calls in each tool trace's assistant turn (2: parallel)",
+    )
+    p.add_argument(
+        "--thinking", action="store_true", help="Qwen3's thinking template and <think> tokens, in every turn"
     )
     p.add_argument("--steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=32, help="traces per step")

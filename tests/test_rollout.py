@@ -859,7 +859,8 @@ def test_max_staleness_zero_is_synchronous(vllm_server, served_model):
 
 @pytest.fixture(scope="module")
 def warm2_server(tmp_path_factory):
-    """A server of its own on models/tiny-warm2, fine-tuned to make two parallel calls per tool turn."""
+    """A server of its own on models/tiny-warm2: the official Qwen3 thinking template, a `<think>` block
+    opening every turn, two parallel calls per tool turn."""
     from conftest import model_dir
 
     model = model_dir("tiny-warm2")
@@ -869,17 +870,24 @@ def warm2_server(tmp_path_factory):
 
 
 @pytest.mark.timeout(900)
-def test_real_parallel_calls_in_one_turn_rescore_exactly(warm2_server):
-    """Hermes parallel calls on the real engine: after each stop at </tool_call> the same turn continues
-    (prompt + generated so far) until the model ends it with <|im_end|> or makes max_calls_per_turn calls;
-    the calls run together and their responses come back grouped in one user turn. Each turn's ids are the
-    vLLM returns of its requests, back to back, and re-scoring the whole sequence reproduces μ."""
+def test_real_qwen3_thinking_with_parallel_calls_rescores_exactly(warm2_server):
+    """Qwen3 thinking and hermes parallel calls on the real engine. The template re-renders past reasoning
+    (accepted: rollouts never re-render). After each stop at </tool_call> the same turn continues (prompt +
+    generated so far) until the model ends it with <|im_end|> or makes max_calls_per_turn calls; the calls
+    run together and their responses come back grouped in one user turn, as the template renders them.
+    Each turn's ids are the vLLM returns of its requests, back to back, and re-scoring the whole sequence
+    reproduces μ."""
     server, model_path = warm2_server
     sampling = Sampling(1.0)
     groups, client, template, tokenizer = real_retool_groups(
         server.url, model_path, 6, max_calls_per_turn=3, max_context=1024, sampling=sampling.request_fields()
     )
+    assert template.rerenders_history
     completions = [c for g in groups for c in g.completions]
+    think = tokenizer.convert_tokens_to_ids("<think>")
+    turns = [t for c in completions for t in c.turns]
+    thinking = [t for t in turns if t.generated_ids[0] == think]
+    assert len(thinking) >= 0.9 * len(turns), f"only {len(thinking)} of {len(turns)} turns open with <think>"
     parallel = [t for c in completions for t in c.turns if len(t.tool_calls) >= 2]
     assert len(parallel) >= len(completions) // 2, "the warm2 model should make two calls in most tool turns"
     assert all(t.requests >= len(t.tool_calls) for t in parallel)
@@ -904,7 +912,16 @@ def test_real_parallel_calls_in_one_turn_rescore_exactly(warm2_server):
                     text = tokenizer.decode(t.appended_ids)
                     assert text.count("<|im_start|>user") == 1
                     assert text.count("<tool_response>") == len(t.tool_calls)
+                if t.appended_ids:  # the template's rendering of this turn's tool messages
+                    tool_msgs = [
+                        {"role": "tool", "name": tc.name, "content": tc.result} for tc in t.tool_calls
+                    ]
+                    turn_text = tokenizer.decode(t.generated_ids, skip_special_tokens=False)
+                    expected = template.tool_response_ids(tool_msgs, turn_text)
+                    assert list(t.appended_ids) == expected[: len(t.appended_ids)]
             worst = max(worst, rescore_gap(model, g.prompt_ids, c, sampling)[0])
     n_calls = sum(len(t.tool_calls) for t in parallel)
-    print(f"{len(parallel)} parallel turns, {n_calls} calls, {len(completions)} rollouts, |Δ| {worst:.2e}")
+    print(
+        f"{len(thinking)}/{len(turns)} turns think, {len(parallel)} parallel, {n_calls} calls, |Δ| {worst:.2e}"
+    )
     assert worst < 1e-3, f"behaviour logprobs differ from a transformers re-score by {worst}"
