@@ -23,7 +23,7 @@ $(STAMPS)/install: requirements.txt requirements-engine-$(ENGINE).txt
 	@mkdir -p $(STAMPS) && touch $@
 
 tiny-model: models/tiny/config.json models/tiny-tied/config.json models/tiny-warm/config.json \
-	models/tiny-demo/config.json models/tiny-qwen/config.json
+	models/tiny-demo/config.json models/tiny-qwen/config.json models/tiny-warm2/config.json
 
 models/tiny/config.json: scripts/make_tiny_model.py $(STAMPS)/install
 	$(PY) scripts/make_tiny_model.py --out models/tiny
@@ -51,6 +51,13 @@ models/tiny-warm/config.json: models/tiny/config.json scripts/make_tiny_model.py
 
 models/tiny-demo/config.json: models/tiny-warm/config.json scripts/make_tiny_model.py data/retool_train.jsonl
 	$(PY) scripts/make_tiny_model.py --warm-from models/tiny-warm --tool-fraction 0.15 --out models/tiny-demo
+
+# tiny-warm2, from tiny-warm: the official Qwen3 thinking template, <think> in every turn, two parallel
+# calls in each tool turn (the real-engine test of Qwen3 thinking and hermes parallel calls).
+models/tiny-warm2/config.json: models/tiny-warm/config.json scripts/make_tiny_model.py data/retool_train.jsonl \
+	tests/templates/qwen3.jinja
+	$(PY) scripts/make_tiny_model.py --warm-from models/tiny-warm --calls-per-turn 2 --thinking --steps 100 \
+		--out models/tiny-warm2
 
 # Debian's Chromium for the rollout viewer's browser tests (tests/test_viewer.py, driven by Playwright's
 # Python package; never a browser Playwright downloads). Where it cannot be installed (no root, no apt)

@@ -5,8 +5,8 @@ The invariant (slime PR 1861 found four ways to break it): for every completion,
 `completion_ids`, `behaviour_logprobs` and `loss_mask` have the same length; exactly the tokens the model
 generated have mask 1 and a real logprob; tool and template tokens have mask 0 and logprob 0.0.
 It holds by construction: a `TurnRecord` is frozen and refuses generated ids without one finite logprob
-each, and `RolloutCompletion.add_turn` / `append_context` / `trim_to` are the only ways tokens enter or
-leave a completion. The flattened views are derived from the turns, never stored beside them.
+each, and `RolloutCompletion.add_turn` / `continue_turn` / `append_context` / `trim_to` are the only ways
+tokens enter or leave a completion. The flattened views are derived from the turns, never stored beside them.
 """
 
 import math
@@ -42,6 +42,7 @@ class TurnRecord:
     model_versions: tuple[int, int]  # oldest and newest trainer version while this turn generated
     tool_calls: tuple[ToolCallRecord, ...] = ()  # parsed from the generated text, with their results
     appended_ids: tuple[int, ...] = ()  # after the turn: tool responses + next assistant header (mask 0)
+    requests: int = 1  # vLLM requests that generated it (> 1: continued after a call, see continue_turn)
     generation_s: float = 0.0
     tool_s: float = 0.0
 
@@ -75,6 +76,26 @@ class RolloutCompletion:
         if self.turns and not self.turns[-1].appended_ids and self.turns[-1].tool_calls:
             raise TokenAccountingError("a new turn after tool calls needs their response ids appended first")
         self.turns.append(turn)
+
+    def continue_turn(self, more: TurnRecord) -> None:
+        """More generated ids of the same assistant message: a request that continued the last turn
+        (hermes parallel calls: after a stop at `</tool_call>` the model may open another call). The turn's
+        ids stay exactly what vLLM returned, request after request."""
+        if not self.turns or self.turns[-1].appended_ids:
+            raise TokenAccountingError("a continuation needs an open turn (no context ids after it yet)")
+        last = self.turns[-1]
+        self.turns[-1] = replace(
+            last,
+            generated_ids=last.generated_ids + more.generated_ids,
+            generated_logprobs=last.generated_logprobs + more.generated_logprobs,
+            finish_reason=more.finish_reason,
+            model_versions=(
+                min(last.model_versions[0], more.model_versions[0]),
+                max(last.model_versions[1], more.model_versions[1]),
+            ),
+            requests=last.requests + more.requests,
+            generation_s=last.generation_s + more.generation_s,
+        )
 
     def append_context(
         self, ids: list[int], tool_calls: tuple[ToolCallRecord, ...] = (), tool_s: float = 0.0

@@ -124,7 +124,9 @@ parser.add_argument("--batch-timeout", type=float, default=600.0,
 parser.add_argument("--prompts-per-step", type=int, default=8, help="groups (prompts) per optimizer step")
 parser.add_argument("--num-generations", type=int, default=8, help="completions per prompt (G)")
 parser.add_argument("--max-staleness", type=int, default=1, help="max versions a group may lag (0 = sync)")
-parser.add_argument("--max-turns", type=int, default=4, help="model turns per completion")
+parser.add_argument("--max-turns", type=int, default=4, help="assistant messages per completion")
+parser.add_argument("--max-calls-per-turn", type=int, default=1,
+                    help="hermes parallel calls: a turn continues after </tool_call> up to this many calls")
 parser.add_argument("--max-context", type=int, default=2048, help="prompt + completion tokens, hard cap")
 parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (also for logprobs)")
 parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (trained exactly)")
@@ -167,8 +169,8 @@ parser.add_argument("--report-to", default="none", choices=["none", "tensorboard
 
 def check_args(args: argparse.Namespace) -> None:
     """Bad arguments fail here, before any server or model is started, naming the argument."""
-    positive = ["prompts_per_step", "num_generations", "max_turns", "max_context", "max_steps",
-                "micro_batch_tokens", "sync_every", "save_every", "vllm_gpus", "sandbox_workers",
+    positive = ["prompts_per_step", "num_generations", "max_turns", "max_calls_per_turn", "max_context",
+                "max_steps", "micro_batch_tokens", "sync_every", "save_every", "vllm_gpus", "sandbox_workers",
                 "log_completions_every", "eval_limit"]  # fmt: skip
     for name in positive:
         if getattr(args, name) < 1:
@@ -848,7 +850,7 @@ async def evaluate(
     await client.open()
     ctx = RolloutContext(
         client=client, template=template, sampling=Sampling(temperature=0.0).request_fields(),
-        max_turns=args.max_turns,
+        max_turns=args.max_turns, max_calls_per_turn=args.max_calls_per_turn,
         max_context=args.max_context, version=lambda: 0,
         tool_semaphore=asyncio.Semaphore(args.sandbox_workers),
     )  # fmt: skip
@@ -1114,7 +1116,8 @@ def main(argv: list[str] | None = None) -> None:
             client, template, make_episode, row_stream(rows, args.seed, position),
             num_generations=args.num_generations, groups_per_version=args.prompts_per_step * args.sync_every,
             max_staleness=args.max_staleness, max_turns=args.max_turns, max_context=args.max_context,
-            sampling=sampling_of(args).request_fields(), seed=args.seed,
+            max_calls_per_turn=args.max_calls_per_turn, sampling=sampling_of(args).request_fields(),
+            seed=args.seed,
             max_concurrent_tools=args.sandbox_workers, scale_rewards=not args.no_scale_rewards,
             start_version=version,
         )  # fmt: skip

@@ -8,6 +8,8 @@
         --out models/tiny-demo                                      # knows the format, rarely calls
     python scripts/make_tiny_model.py --qwen-wheel models/dashscope-2.0.2-py3-none-any.whl --tie \
         --out models/tiny-qwen                                      # Qwen2.5's vocabulary (~20M params)
+    python scripts/make_tiny_model.py --warm-from models/tiny-warm --calls-per-turn 2 --thinking \
+        --steps 100 --out models/tiny-warm2     # Qwen3 thinking template, two parallel calls per tool turn
 
 The model is a Qwen2 causal LM (hidden 128, 2 layers, head_dim 64 — vLLM's CPU attention rejects 16)
 with a byte-level BPE tokenizer trained here on a synthetic corpus, digits split one per token so
@@ -69,6 +71,9 @@ from envs.retool import make_episode  # noqa: E402
 # another distribution than the trainer scores, so every real-engine test runs under that condition. The
 # warm variants inherit them (save_pretrained writes the loaded model's generation config).
 SAMPLING_DEFAULTS = dict(do_sample=True, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)
+
+# The official Qwen3 template (thinking), kept once in the repository for the tests and `--thinking`.
+QWEN3_TEMPLATE = Path(__file__).resolve().parent.parent / "tests" / "templates" / "qwen3.jinja"
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -338,25 +343,48 @@ def guess(answer: str, rng: random.Random) -> str:
             return g
 
 
-def trace_messages(row: dict, episode, use_tool: bool, rng: random.Random) -> list[dict]:
+def trace_messages(
+    row: dict, episode, use_tool: bool, rng: random.Random, calls_per_turn: int = 1, thinking: bool = False
+) -> list[dict]:
+    if thinking:  # every assistant turn opens with a short reasoning block, as Qwen3 writes it
+        return think(trace_messages(row, episode, use_tool, rng, calls_per_turn))
     if not use_tool:
         return episode.messages + [
             {"role": "assistant", "content": f"The answer is \\boxed{{{guess(row['answer'], rng)}}}."}
         ]
     code, value = tool_program(row)
-    call = {"type": "function", "function": {"name": "code_interpreter", "arguments": {"code": code}}}
+    # Parallel calls: the same program again, marked as a check (a second call the model must copy).
+    codes = [code] + [f"{code}  # check" for _ in range(calls_per_turn - 1)]
+    calls = [
+        {"type": "function", "function": {"name": "code_interpreter", "arguments": {"code": c}}}
+        for c in codes
+    ]
     # envs.retool.format_result gives a normal run's output unchanged: print's text with its newline.
     return episode.messages + [
-        {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "name": "code_interpreter", "content": f"{value}\n"},
+        {"role": "assistant", "content": "", "tool_calls": calls},
+        *({"role": "tool", "name": "code_interpreter", "content": f"{value}\n"} for _ in codes),
         {"role": "assistant", "content": f"The answer is \\boxed{{{value}}}."},
     ]
+
+
+def think(messages: list[dict]) -> list[dict]:
+    """The trace with a `<think>` block opening each assistant turn (Qwen3's template keeps the reasoning
+    of every turn after the last user query, so all of it is rendered)."""
+    out = []
+    for m in messages:
+        if m["role"] == "assistant":
+            reason = "Run the code." if m.get("tool_calls") else "The tool printed the value."
+            m = {**m, "content": f"<think>\n{reason}\n</think>\n\n{m['content']}"}
+        out.append(m)
+    return out
 
 
 def generated_mask(ids: list[int], header: list[int], im_start: int, im_end: int, call_end: int) -> list[int]:
     """1 on the ids the model generates in a rollout, 0 on context. An assistant turn's generated ids
     start after its header (`<|im_start|>` + `header`) and end at the first `</tool_call>` (a tool-calling
-    turn: the worker appends the `<|im_end|>` after it) or `<|im_end|>` (an answer turn), inclusive."""
+    turn: the worker appends the `<|im_end|>` after it) or `<|im_end|>` (an answer turn), inclusive.
+    Parallel-call traces pass `call_end=im_end`: the whole turn is generated (continuation requests after
+    each `</tool_call>`, and the model's own `<|im_end|>` ends the turn)."""
     mask = [0] * len(ids)
     i = 0
     while i < len(ids):
@@ -371,7 +399,9 @@ def generated_mask(ids: list[int], header: list[int], im_start: int, im_end: int
     return mask
 
 
-def encode_trace(tokenizer, messages: list[dict], tools: list) -> tuple[list[int], list[int]]:
+def encode_trace(
+    tokenizer, messages: list[dict], tools: list, parallel: bool = False
+) -> tuple[list[int], list[int]]:
     """(ids, generated mask) of one rendered trace. Checks token-in/token-out agreement: the ids of every
     prompt a rollout would send (each assistant turn's generation prompt) are a prefix of these ids."""
 
@@ -394,7 +424,7 @@ def encode_trace(tokenizer, messages: list[dict], tools: list) -> tuple[list[int
         assert ids[: len(prompt)] == prompt, "a generation prompt does not tokenize as a prefix of the trace"
         # The assistant header's ids (`assistant\n`): what follows the prompt's last <|im_start|>.
         header = prompt[len(prompt) - prompt[::-1].index(im_start) :]
-    return ids, generated_mask(ids, header, im_start, im_end, call_end)
+    return ids, generated_mask(ids, header, im_start, im_end, im_end if parallel else call_end)
 
 
 def batch_loss(
@@ -430,12 +460,13 @@ def run_tool(episode, code: str) -> str:
 
 
 @torch.no_grad()
-def self_check(model, tokenizer, rows: list[dict], max_new_tokens: int = 64) -> dict:
-    """Greedy, on held-out rows: does the first turn call code_interpreter with a `code` argument, and is the
-    final \\boxed{} answer right once the real interpreter's output is fed back (rendered by the template)?
-    Greedy hides a tool habit below 50%, so also the mean first-token probability of `<tool_call>`."""
+def self_check(model, tokenizer, rows: list[dict], calls_per_turn: int = 1) -> dict:
+    """Greedy, on held-out rows: does the first turn make `calls_per_turn` well-formed code_interpreter
+    calls, and is the final \\boxed{} answer right once the real interpreter's output is fed back (rendered by
+    the template)? Greedy hides a tool habit below 50%, so also the mean first-token probability of
+    `<tool_call>`. A single-call model stops at `</tool_call>`; a parallel one writes its whole turn."""
     model.eval()
-    stop = tokenizer.convert_tokens_to_ids(["</tool_call>", "<|im_end|>"])
+    stop = tokenizer.convert_tokens_to_ids(["</tool_call>", "<|im_end|>"][calls_per_turn > 1 :])
     call_start = tokenizer.convert_tokens_to_ids("<tool_call>")
     n_call = n_right = 0
     p_call = 0.0
@@ -448,44 +479,50 @@ def self_check(model, tokenizer, rows: list[dict], max_new_tokens: int = 64) -> 
             )
             ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)])
             out = model.generate(
-                ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop, pad_token_id=stop[1]
+                ids,
+                max_new_tokens=64 * calls_per_turn,
+                do_sample=False,
+                eos_token_id=stop,
+                pad_token_id=stop[-1],
             )
             if _turn == 0:  # how often sampling at temperature 1 would open with a tool call
                 p_call += model(ids).logits[0, -1].softmax(-1)[call_start].item()
             text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=False)
-            call = parse_tool_call(text)
-            if call is None:
+            calls = parse_tool_calls(text)
+            if not calls:
                 messages.append({"role": "assistant", "content": text.removesuffix("<|im_end|>")})
                 break
-            n_call += _turn == 0
-            messages.append(
-                {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]}
-            )
+            n_call += _turn == 0 and len(calls) == calls_per_turn
             messages.append(
                 {
-                    "role": "tool",
-                    "name": call["name"],
-                    "content": run_tool(episode, call["arguments"]["code"]),
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [{"type": "function", "function": c} for c in calls],
                 }
             )
+            for c in calls:
+                messages.append(
+                    {"role": "tool", "name": c["name"], "content": run_tool(episode, c["arguments"]["code"])}
+                )
         n_right += episode.reward(messages, []) == 1.0
     model.train()
     n = len(rows)
     return {"tool_call_rate": n_call / n, "correct_rate": n_right / n, "p_tool_call": p_call / n, "n": n}
 
 
-def parse_tool_call(text: str) -> dict | None:
-    """{"name", "arguments"} of a well-formed code_interpreter call in `text`, else None."""
-    m = re.search(r"<tool_call>(.*?)</tool_call>", text, re.DOTALL)
-    if m is None:
-        return None
-    try:
-        call = json.loads(m.group(1))
-    except json.JSONDecodeError:
-        return None
-    ok = isinstance(call, dict) and call.get("name") == "code_interpreter"
-    ok = ok and isinstance(call.get("arguments"), dict) and isinstance(call["arguments"].get("code"), str)
-    return call if ok else None
+def parse_tool_calls(text: str) -> list[dict]:
+    """{"name", "arguments"} of each well-formed code_interpreter call in `text`."""
+    calls = []
+    for body in re.findall(r"<tool_call>(.*?)</tool_call>", text, re.DOTALL):
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError:
+            continue
+        ok = isinstance(call, dict) and call.get("name") == "code_interpreter"
+        ok = ok and isinstance(call.get("arguments"), dict) and isinstance(call["arguments"].get("code"), str)
+        if ok:
+            calls.append(call)
+    return calls
 
 
 def warm_start(args: argparse.Namespace) -> None:
@@ -495,6 +532,10 @@ def warm_start(args: argparse.Namespace) -> None:
     rng = random.Random(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.warm_from)
     model = AutoModelForCausalLM.from_pretrained(args.warm_from, dtype=torch.float32)
+    if args.thinking:  # Qwen3's template and its reasoning markers (added tokens, not special, as in Qwen3)
+        tokenizer.add_tokens(["<think>", "</think>"])
+        tokenizer.chat_template = QWEN3_TEMPLATE.read_text()
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     model.train()
 
     # Traces: one per train row, tool or direct drawn once; the direct guesses are fixed per row.
@@ -502,8 +543,9 @@ def warm_start(args: argparse.Namespace) -> None:
     traces = []
     for row in load_rows(args.train):
         episode = make_episode(row)
-        messages = trace_messages(row, episode, rng.random() < args.tool_fraction, rng)
-        traces.append(encode_trace(tokenizer, messages, episode.tools))
+        use_tool = rng.random() < args.tool_fraction
+        messages = trace_messages(row, episode, use_tool, rng, args.calls_per_turn, args.thinking)
+        traces.append(encode_trace(tokenizer, messages, episode.tools, args.calls_per_turn > 1))
     n_prefix = min(len(ids) for ids, _ in traces)
     for ids, _ in traces:  # the longest id prefix every trace shares
         n_prefix = next((i for i in range(n_prefix) if ids[i] != traces[0][0][i]), n_prefix)
@@ -543,11 +585,11 @@ def warm_start(args: argparse.Namespace) -> None:
     tokenizer.save_pretrained(out)
     if args.check_n > 0:
         rows = [r for r in load_rows(args.test) if r["kind"] == "product"][: args.check_n]
-        stats = self_check(model, tokenizer, rows)
+        stats = self_check(model, tokenizer, rows, args.calls_per_turn)
         print(
             f"self-check on {stats['n']} held-out products (greedy): tool-call rate "
-            f"{stats['tool_call_rate']:.2f}, correct with real tool output {stats['correct_rate']:.2f}, "
-            f"mean p(<tool_call> first) {stats['p_tool_call']:.2f}"
+            f"({args.calls_per_turn} per turn) {stats['tool_call_rate']:.2f}, correct with real tool output "
+            f"{stats['correct_rate']:.2f}, mean p(<tool_call> first) {stats['p_tool_call']:.2f}"
         )
     print(f"wrote {out}")
 
@@ -570,6 +612,15 @@ def main() -> None:
         "--warm-from", default=None, help="fine-tune the model in this directory instead of building one"
     )
     p.add_argument("--tool-fraction", type=float, default=1.0, help="fraction of traces that call the tool")
+    p.add_argument(
+        "--calls-per-turn",
+        type=int,
+        default=1,
+        help="tool calls in each tool trace's assistant turn (2: parallel)",
+    )
+    p.add_argument(
+        "--thinking", action="store_true", help="Qwen3's thinking template and <think> tokens, in every turn"
+    )
     p.add_argument("--steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=32, help="traces per step")
     p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (warmup, cosine to 10%%)")

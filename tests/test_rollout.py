@@ -33,7 +33,7 @@ from rollout import (
     tool_loop_rollout,
 )
 from sampling import Sampling, token_logprobs_and_entropy
-from vllm_server import free_port
+from vllm_server import free_port, start_vllm_server
 
 REPO = Path(__file__).resolve().parent.parent
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -81,7 +81,7 @@ def test_llama31_template(tokenizer):
     tok.chat_template = (TEMPLATES / "llama31.jinja").read_text()
     t = ChatTemplate(tok, [code_interpreter])
     assert not t.hermes and t.stop_token_ids == []
-    assert t._closer == ""  # the generated <|eot_id|> closes the turn; nothing to append before the tool
+    # the generated <|eot_id|> closes the turn: nothing is appended before the tool's header
     ids = t.tool_response_ids([{"role": "tool", "name": "code_interpreter", "content": "42"}])
     assert tok.decode(ids) == (
         "<|start_header_id|>ipython<|end_header_id|>\n\n42<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
@@ -149,11 +149,173 @@ def test_no_doubled_end_of_turn_after_an_unterminated_call_that_ended_at_eos(tok
     )
 
 
-def test_template_that_drops_earlier_reasoning_is_refused(tokenizer):
+def with_template(name: str, specials: list[str] = (), eos: str | None = None):
+    """The tiny tokenizer with another chat template and that template's own special tokens."""
     tok = AutoTokenizer.from_pretrained(REPO / "models" / "tiny")
-    tok.chat_template = (TEMPLATES / "qwen3_like.jinja").read_text()
-    with pytest.raises(ChatTemplateError, match="not prefix-preserving.*--chat-template"):
+    if specials:
+        tok.add_special_tokens({"additional_special_tokens": [AddedToken(s, special=True) for s in specials]})
+    if eos:
+        tok.eos_token = eos
+    tok.chat_template = (TEMPLATES / name).read_text()
+    return tok
+
+
+def test_template_that_drops_earlier_reasoning_is_accepted_with_a_warning(caplog):
+    """qwen3_like.jinja renders only the last assistant turn's <think> block: appending a turn re-renders
+    the one before, but the text after a tool call does not depend on earlier turns, so rollouts stay
+    exact (they never re-render) — accepted, with one warning that deployment renders another context."""
+    with caplog.at_level("WARNING", logger="rollout"):
+        t = ChatTemplate(with_template("qwen3_like.jinja"), [code_interpreter])
+    assert t.rerenders_history
+    assert "re-renders earlier turns" in caplog.text and "different context than training" in caplog.text
+    assert not ChatTemplate(AutoTokenizer.from_pretrained(REPO / "models" / "tiny")).rerenders_history
+
+
+def test_template_whose_tool_suffix_depends_on_earlier_turns_is_refused():
+    with pytest.raises(ChatTemplateError, match="tool-turn suffix depends on earlier turns.*--chat-template"):
+        ChatTemplate(with_template("unstable_suffix.jinja"), [code_interpreter])
+
+
+def test_unsupported_tool_call_format_says_so():
+    tok = AutoTokenizer.from_pretrained(REPO / "models" / "tiny")
+    tok.chat_template = (  # Mistral-style: a JSON list after [TOOL_CALLS]
+        "{%- for m in messages %}{%- if m.tool_calls %}[TOOL_CALLS]"
+        "{{ m.tool_calls | map(attribute='function') | list | tojson }}<|im_end|>"
+        "{%- else %}[{{ m.role }}]{{ m.content }}<|im_end|>{%- endif %}{%- endfor %}"
+    )
+    with pytest.raises(ChatTemplateError, match=r"\[TOOL_CALLS\].*not a tool-call format the rollout parses"):
         ChatTemplate(tok, [code_interpreter])
+
+
+QWEN3_SPECIALS = ["<think>", "</think>"]
+CALL = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(%d)"}}\n</tool_call>'
+
+
+def test_qwen3_thinking_rollout_with_parallel_calls_is_the_templates_conversation_token_for_token():
+    """The official Qwen3 template, <think>…</think> in every turn, two calls in one turn (the second a
+    continuation request after the stop at </tool_call>), a turn the model itself ends after its call, and
+    a final answer. Every request's prompt is the previous prompt + generated + appended ids, and the whole
+    rollout is, token for token, the template's own rendering of the conversation (Qwen3 keeps the
+    reasoning of the turns after the last user query): what is trained is what the template says."""
+    tok = with_template("qwen3.jinja", QWEN3_SPECIALS)
+    template = ChatTemplate(tok, [code_interpreter])
+    assert template.rerenders_history  # accepted: past queries' reasoning is dropped, the suffix is stable
+    script = [
+        "<think>\nFirst compute both.\n</think>\n\n" + CALL % 1,
+        "\n" + CALL % 2,  # continuation: a second call in the same turn; the cap (2) then closes the turn
+        "<think>\nOne more.\n</think>\n\n" + CALL % 3,
+        "<|im_end|>",  # continuation: the model ends the turn itself
+        "<think>\nAll 7.\n</think>\n\nThe answer is \\boxed{7}.<|im_end|>",
+    ]
+    client = ScriptedClient(tok, script)
+    ctx = RolloutContext(client, template, {}, 3, 2000, lambda: 0, asyncio.Semaphore(2), max_calls_per_turn=2)
+    episode = FakeEpisode(1, None)
+    prompt_ids = template.prompt_ids(episode.messages)
+    c = asyncio.run(tool_loop_rollout(ctx, episode, prompt_ids))
+    assert c.stop_reason == "eos" and [t.requests for t in c.turns] == [2, 2, 1]
+    assert [len(t.tool_calls) for t in c.turns] == [2, 1, 0] and episode.calls == 3
+    assert [tc.arguments for tc in c.tool_calls] == [
+        {"code": "print(1)"},
+        {"code": "print(2)"},
+        {"code": "print(3)"},
+    ]
+    sent = [p for p, _ in client.calls]
+    flat = [(t.generated_ids, t.appended_ids) for t in c.turns]
+    assert len(sent) == 5 and sent[0] == prompt_ids
+    assert sent[1] == prompt_ids + list(flat[0][0][: len(sent[1]) - len(prompt_ids)])  # continued in-turn
+    assert sent[2] == prompt_ids + [i for g, a in flat[:1] for i in (*g, *a)]
+    assert sent[4] == prompt_ids + [i for g, a in flat[:2] for i in (*g, *a)]
+    rendered = template.render(c.messages, add_generation_prompt=False)
+    assert tok.decode(prompt_ids + c.completion_ids) + "\n" == rendered
+    assert tok.encode(rendered, add_special_tokens=False) == prompt_ids + c.completion_ids + tok.encode("\n")
+    # the two responses of the first turn are grouped in one user turn, as the template groups them
+    assert tok.decode(c.turns[0].appended_ids) == (
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\n7\n</tool_response>\n<tool_response>\n7\n"
+        "</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert c.trajectory[0].message["content"] == "<think>\nFirst compute both.\n</think>"
+
+
+HARMONY_SPECIALS = [
+    "<|start|>",
+    "<|end|>",
+    "<|message|>",
+    "<|channel|>",
+    "<|constrain|>",
+    "<|call|>",
+    "<|return|>",
+]
+
+
+def test_gpt_oss_harmony_rollout_ids_are_the_templates():
+    """gpt-oss: reasoning on `analysis`, the call to functions.NAME on `commentary` ending at <|call|> (the
+    stop token, kept), the result as a message from the tool, the answer on `final`. The ids appended after
+    the call are exactly the template's rendering of the tool message and the next assistant header."""
+    tok = with_template("gptoss.jinja", HARMONY_SPECIALS, eos="<|return|>")
+    template = ChatTemplate(tok, [code_interpreter])
+    assert template.format == "harmony" and template.stop_token_ids == [tok.convert_tokens_to_ids("<|call|>")]
+    assert template.rerenders_history  # past analysis dropped, <|call|>/<|return|> re-rendered as <|end|>
+    call = (
+        "<|channel|>analysis<|message|>Run it.<|end|><|start|>assistant<|channel|>commentary "
+        'to=functions.code_interpreter <|constrain|>json<|message|>{"code": "print(7)"}<|call|>'
+    )
+    final = (
+        "<|channel|>analysis<|message|>It printed 7.<|end|><|start|>assistant<|channel|>final<|message|>"
+        "The answer is \\boxed{7}.<|return|>"
+    )
+    client = ScriptedClient(tok, [call, final])
+    ctx = RolloutContext(client, template, {}, 3, 4000, lambda: 0, asyncio.Semaphore(2))
+    episode = FakeEpisode(1, None)
+    prompt_ids = template.prompt_ids(episode.messages)
+    rendered_prompt = template.render(episode.messages, add_generation_prompt=True)
+    assert prompt_ids == tok.encode(rendered_prompt, add_special_tokens=False)
+    c = asyncio.run(tool_loop_rollout(ctx, episode, prompt_ids))
+    assert c.stop_reason == "eos" and len(c.turns) == 2
+    assert [(tc.name, tc.arguments, tc.failed) for tc in c.tool_calls] == [
+        ("code_interpreter", {"code": "print(7)"}, False)
+    ]
+    first = c.turns[0]
+    assert list(first.generated_ids) == tok.encode(call, add_special_tokens=False)
+    assert client.calls[1][0] == prompt_ids + list(first.generated_ids) + list(first.appended_ids)
+    # the template's own rendering of the conversation so far, after the <|call|> that ended the turn
+    history = template.render(c.messages[:-1], add_generation_prompt=True)
+    assert tok.decode(first.appended_ids) == history[history.rindex("<|call|>") + len("<|call|>") :]
+    assert tok.decode(first.appended_ids) == (
+        "<|start|>functions.code_interpreter to=assistant<|channel|>commentary<|message|>"
+        '"7"<|end|><|start|>assistant'
+    )
+    assert c.messages[-1] == {
+        "role": "assistant",
+        "content": "The answer is \\boxed{7}.",
+        "thinking": "It printed 7.",
+    }
+    assert (
+        c.messages[1]["thinking"] == "Run it."
+        and c.messages[1]["tool_calls"][0]["function"]["name"] == "code_interpreter"
+    )
+    # tool output is a JSON string in harmony: quotes and newlines escaped, markers still plain text
+    out = 'x = "<|end|>"\n'
+    ids = template.tool_response_ids([{"role": "tool", "name": "code_interpreter", "content": out}])
+    assert tok.decode(ids).split("<|message|>")[1] == '"x = \\"<|end|>\\"\\n"<|end|><|start|>assistant'
+    assert ids.count(tok.convert_tokens_to_ids("<|end|>")) == 1
+
+
+def test_harmony_parse_tool_calls():
+    template = ChatTemplate(
+        with_template("gptoss.jinja", HARMONY_SPECIALS, eos="<|return|>"), [code_interpreter]
+    )
+    header = "<|channel|>commentary to=functions.code_interpreter <|constrain|>json<|message|>"
+    assert template.parse_tool_calls(header + '{"code": "1"}<|call|>') == [
+        ("code_interpreter", {"code": "1"}, None)
+    ]
+    assert template.parse_tool_calls(
+        ' to=functions.f<|channel|>commentary json<|message|>{"a": 1}<|call|>'
+    ) == [("f", {"a": 1}, None)]
+    (bad,) = template.parse_tool_calls(header + '{"code": <|call|>')
+    assert bad[0] == "code_interpreter" and bad[2].startswith("tool call is not valid JSON")
+    (unterminated,) = template.parse_tool_calls(header + '{"code": "1"}<|return|>')
+    assert "unterminated" in unterminated[2]
+    assert template.parse_tool_calls("<|channel|>final<|message|>4<|return|>") == []
 
 
 def test_parse_tool_calls(tokenizer):
@@ -220,6 +382,13 @@ def test_records_refuse_misaligned_tokens():
     assert c.loss_mask == [1, 1, 0, 0, 0]
     assert c.trim_to(3) == 2 and c.completion_ids == [1, 2, 7] and c.loss_mask == [1, 1, 0]
     assert c.trim_to(1) == 2 and c.completion_ids == [1] and c.behaviour_logprobs == [-0.1]
+    # a continuation request of the same turn: its ids follow the turn's, back to back
+    c.continue_turn(TurnRecord((3,), (-0.3,), "stop", (1, 2)))
+    assert c.completion_ids == [1, 3] and c.behaviour_logprobs == [-0.1, -0.3] and c.loss_mask == [1, 1]
+    assert len(c.turns) == 1 and c.turns[0].requests == 2 and c.turns[0].model_versions == (0, 2)
+    c.append_context([9])
+    with pytest.raises(TokenAccountingError):
+        c.continue_turn(TurnRecord((4,), (-0.4,), "stop", (2, 2)))  # the turn was closed by context ids
 
 
 @pytest.mark.parametrize(
@@ -279,9 +448,10 @@ TOOL_TURN = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "pr
     max_turns=st.integers(1, 5),
     max_context=st.integers(20, 400),
     done_after=st.one_of(st.none(), st.integers(1, 3)),
+    max_calls=st.integers(1, 3),
 )
 def test_tool_loop_keeps_arrays_aligned_and_in_budget(
-    tokenizer, turns, output_len, max_turns, max_context, done_after
+    tokenizer, turns, output_len, max_turns, max_context, done_after, max_calls
 ):
     texts = {
         "tool": TOOL_TURN,
@@ -293,7 +463,16 @@ def test_tool_loop_keeps_arrays_aligned_and_in_budget(
     template = ChatTemplate(tokenizer, [code_interpreter])
     client = ScriptedClient(tokenizer, [texts[t] for t in turns])
     prompt_ids = list(range(10))
-    ctx = RolloutContext(client, template, {}, max_turns, max_context, lambda: 0, asyncio.Semaphore(2))
+    ctx = RolloutContext(
+        client,
+        template,
+        {},
+        max_turns,
+        max_context,
+        lambda: 0,
+        asyncio.Semaphore(2),
+        max_calls_per_turn=max_calls,
+    )
     episode = FakeEpisode(output_len, done_after)
     c = asyncio.run(tool_loop_rollout(ctx, episode, prompt_ids))
 
@@ -306,10 +485,11 @@ def test_tool_loop_keeps_arrays_aligned_and_in_budget(
     assert all(lp == 0.0 for lp, m in zip(c.behaviour_logprobs, c.loss_mask) if m == 0)
     assert len(c.turns) <= max_turns
     # every request's prompt is the prompt plus everything recorded before it: nothing re-encoded
-    for (sent, max_tokens), k in zip(client.calls, range(len(c.turns))):
-        before = [i for t in c.turns[:k] for i in (*t.generated_ids, *t.appended_ids)]
-        assert sent == prompt_ids + before
+    assert len(client.calls) == sum(t.requests for t in c.turns)
+    for sent, max_tokens in client.calls:
+        assert sent == prompt_ids + c.completion_ids[: len(sent) - len(prompt_ids)]
         assert len(sent) + max_tokens <= max_context
+    assert all(len(t.tool_calls) <= max_calls for t in c.turns)
     if c.stop_reason == "max_turns":
         assert c.turns[-1].tool_calls == () and len(c.turns) == max_turns
 
@@ -579,24 +759,48 @@ class SpyClient(VLLMClient):
         return gen
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(1.0, top_p=0.9, top_k=20)], ids=str)
-def test_real_multi_turn_rollouts_rescore_exactly(vllm_server, served_model, sampling):
-    tokenizer = AutoTokenizer.from_pretrained(served_model)
+def real_retool_groups(url: str, model_path: Path, n_groups: int, **worker_kw):
+    """`n_groups` scored groups of 4 seeded retool rollouts (real sandbox) from a real server, with the spy
+    client that saw every vLLM return, and the template and tokenizer they used."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
     env = load_env("retool")
     make_episode = functools.partial(env.make_episode, sandbox=Sandbox(4))
-    rows = load_rows(str(REPO / "data" / "retool_test.jsonl"))[:8]
+    rows = load_rows(str(REPO / "data" / "retool_test.jsonl"))[:n_groups]
     template = ChatTemplate(tokenizer, make_episode(rows[0]).tools)
-    client = SpyClient([vllm_server.url], str(served_model))
+    client = SpyClient([url], str(model_path))
     worker = AsyncRolloutWorker(
-        client, template, make_episode, iter(rows), num_generations=4, groups_per_version=8,
-        max_staleness=0, max_turns=3, max_context=768, sampling=sampling.request_fields(), seed=0,
+        client, template, make_episode, iter(rows), num_generations=4, groups_per_version=n_groups,
+        max_staleness=0, max_turns=3, seed=0, **worker_kw,
     )  # fmt: skip
     worker.start()
     try:
-        groups = [worker.queue.get(timeout=300) for _ in range(8)]
+        groups = [worker.queue.get(timeout=400) for _ in range(n_groups)]
     finally:
         worker.stop()
+    return groups, client, template, tokenizer
+
+
+def rescore_gap(
+    model, prompt_ids: list[int], c: RolloutCompletion, sampling: Sampling
+) -> tuple[float, float]:
+    """Max |Δ| between the behaviour logprobs and a transformers re-score of prompt + completion on the
+    generated tokens: with the run's sampling (what the trainer computes), and untruncated."""
+    ids = torch.tensor([prompt_ids + c.completion_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1]
+    logprobs, _ = token_logprobs_and_entropy(logits, ids[0, len(prompt_ids) :], sampling)
+    untruncated = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt_ids) :, None])[:, 0]
+    mask = torch.tensor(c.loss_mask, dtype=torch.bool)
+    behaviour = torch.tensor(c.behaviour_logprobs)[mask]
+    return (logprobs[mask] - behaviour).abs().max().item(), (untruncated[mask] - behaviour).abs().max().item()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(1.0, top_p=0.9, top_k=20)], ids=str)
+def test_real_multi_turn_rollouts_rescore_exactly(vllm_server, served_model, sampling):
+    groups, client, template, tokenizer = real_retool_groups(
+        vllm_server.url, served_model, 8, max_context=768, sampling=sampling.request_fields()
+    )
     completions = [c for g in groups for c in g.completions]
     multi_turn = [c for c in completions if len(c.turns) > 1]
     assert len(multi_turn) >= len(completions) // 2, "the warm model should call the tool in most rollouts"
@@ -620,15 +824,8 @@ def test_real_multi_turn_rollouts_rescore_exactly(vllm_server, served_model, sam
                     assert list(t.appended_ids) == expected[: len(t.appended_ids)]
                     k += n
             # 3. re-scoring prompt + completion reproduces the behaviour logprobs on generated tokens
-            ids = torch.tensor([g.prompt_ids + c.completion_ids])
-            with torch.no_grad():
-                logits = model(ids).logits[0, len(g.prompt_ids) - 1 : -1]
-            logprobs, _ = token_logprobs_and_entropy(logits, ids[0, len(g.prompt_ids) :], sampling)
-            untruncated = torch.log_softmax(logits, -1).gather(-1, ids[0, len(g.prompt_ids) :, None])[:, 0]
-            mask = torch.tensor(c.loss_mask, dtype=torch.bool)
-            behaviour = torch.tensor(c.behaviour_logprobs)[mask]
-            worst = max(worst, (logprobs[mask] - behaviour).abs().max().item())
-            worst_untruncated = max(worst_untruncated, (untruncated[mask] - behaviour).abs().max().item())
+            gap, gap_untruncated = rescore_gap(model, g.prompt_ids, c, sampling)
+            worst, worst_untruncated = max(worst, gap), max(worst_untruncated, gap_untruncated)
     print(f"{sampling}: max |Δ logprob| {worst:.2e} (untruncated re-score: {worst_untruncated:.2e})")
     assert worst < 1e-3, f"behaviour logprobs differ from a transformers re-score by {worst}"
     if sampling.truncates:  # the truncation is real: scoring the full distribution would be wrong
@@ -658,3 +855,70 @@ def test_max_staleness_zero_is_synchronous(vllm_server, served_model):
         worker.stop()
     assert [g.admitted_version for g in first] == [0, 0, 0] and second.admitted_version == 1
     assert set(first[0].metrics) == set(second.metrics)  # the same keys from every group
+
+
+@pytest.fixture(scope="module")
+def warm2_server(tmp_path_factory):
+    """A server of its own on models/tiny-warm2: the official Qwen3 thinking template, a `<think>` block
+    opening every turn, two parallel calls per tool turn."""
+    from conftest import model_dir
+
+    model = model_dir("tiny-warm2")
+    server = start_vllm_server(str(model), log_dir=tmp_path_factory.mktemp("vllm-warm2"), timeout_s=600)
+    yield server, model
+    server.stop()
+
+
+@pytest.mark.timeout(900)
+def test_real_qwen3_thinking_with_parallel_calls_rescores_exactly(warm2_server):
+    """Qwen3 thinking and hermes parallel calls on the real engine. The template re-renders past reasoning
+    (accepted: rollouts never re-render). After each stop at </tool_call> the same turn continues (prompt +
+    generated so far) until the model ends it with <|im_end|> or makes max_calls_per_turn calls; the calls
+    run together and their responses come back grouped in one user turn, as the template renders them.
+    Each turn's ids are the vLLM returns of its requests, back to back, and re-scoring the whole sequence
+    reproduces μ."""
+    server, model_path = warm2_server
+    sampling = Sampling(1.0)
+    groups, client, template, tokenizer = real_retool_groups(
+        server.url, model_path, 6, max_calls_per_turn=3, max_context=1024, sampling=sampling.request_fields()
+    )
+    assert template.rerenders_history
+    completions = [c for g in groups for c in g.completions]
+    think = tokenizer.convert_tokens_to_ids("<think>")
+    turns = [t for c in completions for t in c.turns]
+    thinking = [t for t in turns if t.generated_ids[0] == think]
+    assert len(thinking) >= 0.9 * len(turns), f"only {len(thinking)} of {len(turns)} turns open with <think>"
+    parallel = [t for c in completions for t in c.turns if len(t.tool_calls) >= 2]
+    assert len(parallel) >= len(completions) // 2, "the warm2 model should make two calls in most tool turns"
+    assert all(t.requests >= len(t.tool_calls) for t in parallel)
+    # below the cap, the model ends its turn itself: a last request after its calls that writes <|im_end|>
+    assert any(t.requests == len(t.tool_calls) + 1 for t in parallel)
+    call_end = tokenizer.convert_tokens_to_ids("</tool_call>")
+    returned = {tuple(ids) for ids in client.returned}
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    worst = 0.0
+    for g in groups:
+        for c in g.completions:
+            for t in c.turns:  # the requests of a turn: each piece ends at a </tool_call> (but the last)
+                pieces, start = [], 0
+                for i, tok in enumerate(t.generated_ids):
+                    if tok == call_end:
+                        pieces.append(t.generated_ids[start : i + 1])
+                        start = i + 1
+                if start < len(t.generated_ids):
+                    pieces.append(t.generated_ids[start:])
+                assert len(pieces) == t.requests and all(tuple(p) in returned for p in pieces)
+                if len(t.tool_calls) >= 2:  # grouped in one user turn, as the template renders them
+                    text = tokenizer.decode(t.appended_ids)
+                    assert text.count("<|im_start|>user") == 1
+                    assert text.count("<tool_response>") == len(t.tool_calls)
+                if t.appended_ids:  # the template's rendering of this turn's tool messages
+                    tool_msgs = [
+                        {"role": "tool", "name": tc.name, "content": tc.result} for tc in t.tool_calls
+                    ]
+                    turn_text = tokenizer.decode(t.generated_ids, skip_special_tokens=False)
+                    expected = template.tool_response_ids(tool_msgs, turn_text)
+                    assert list(t.appended_ids) == expected[: len(t.appended_ids)]
+            worst = max(worst, rescore_gap(model, g.prompt_ids, c, sampling)[0])
+    print(f"{len(thinking)}/{len(turns)} turns think, {len(parallel)} with parallel calls, |Δ| {worst:.2e}")
+    assert worst < 1e-3, f"behaviour logprobs differ from a transformers re-score by {worst}"
