@@ -179,6 +179,10 @@ def test_bad_arguments_fail_before_anything_starts(capsys, tiny_model):
         (["--dataset", "nope.jsonl"], "--dataset"),
         (["--vllm-url", "localhost:8000"], "--vllm-url"),
         (["--num-generations", "1"], "--num-generations"),
+        (["--mini-batches", "0"], "--mini-batches"),
+        (["--mini-batches", "65"], "--mini-batches 65 exceeds the 64 sequences"),
+        (["--rollout-cpus", "x"], "--rollout-cpus: 'x' is not a CPU list"),
+        (["--rollout-cpus", "4096"], "--rollout-cpus: [4096] not available"),
     ]:
         with pytest.raises(SystemExit):
             T.main(["--model", str(tiny_model), *argv])
