@@ -29,16 +29,30 @@ joins the gathers of the weight sync and of the checkpoints (full state dicts, m
 gathered to rank 0's CPU), so a checkpoint is the same files whatever the number of ranks.
 
 The loop. A background thread (rollout.AsyncRolloutWorker) keeps generating scored groups of
-`--num-generations` completions per prompt into a bounded queue; it admits a new group only while its
-staleness would stay within `--max-staleness` versions. The trainer takes `--prompts-per-step` groups
-per step, drops any that are too stale anyway, skips groups whose rewards are all equal (their advantage
-is zero), packs the sequences, takes one AdamW step, and every `--sync-every` steps pushes its weights
-into the servers (weight_sync.WeightSyncer); the model version then increments.
+`--num-generations` completions per prompt into a bounded queue; it admits a new group only while it
+stays within `--max-staleness` versions ahead of the trainer. The trainer takes `--prompts-per-step`
+groups per step (in the order they finish, so a slow group can arrive later than that bound: it is
+trained all the same, IS-corrected; `--drop-stale` drops it instead), skips groups whose rewards are all
+equal (their advantage is zero), packs the sequences, takes `--mini-batches` AdamW steps (default one),
+and every `--sync-every` steps pushes its weights into the servers (weight_sync.WeightSyncer); the
+model version then increments.
 
 Choices a reader should know before the code (see loss.py for the loss's own departures):
-  - One optimizer step per batch, so π_old (the trainer's logprob before the update) is the current
-    forward's logprobs detached; no second forward pass. The truncated IS weight min(π_old/μ, C)
-    corrects for the staleness and the inference/training kernel mismatch.
+  - Staleness is counted in model versions (one version = one weight sync = `--sync-every` steps), the
+    unit of admission (`--max-staleness`), of `--drop-stale` and of the per-token lag metrics
+    (rollout/token_lag_*: trainer version − oldest version of the token's turn, an upper bound).
+  - Late groups are kept: their behaviour logprobs are exact whatever the version, so the truncated IS
+    weight min(π_old/μ, C) corrects them. Dropping them (`--drop-stale`) biases the run against long
+    episodes (a group is as slow as its slowest completion; in ReTool those are the multi-turn tool
+    episodes) and throws their compute away; rollout/trained_vs_admitted_len shows the bias.
+  - Default: one optimizer step per batch, so π_old (the trainer's logprob before the update) is the
+    current forward's logprobs detached; no second forward pass, the PPO ratio is 1 and the clip inert.
+    `--mini-batches N` splits the batch's sequences into N and takes one step on each, with π_old from
+    one no-grad pass before the first: a real trust region (train/clip_*_frac > 0), for one extra
+    forward. The denominators are each mini-batch's; train/loss and train/grad_norm are their means.
+  - `--rollout-cpus` puts the rollout thread, and the threads and processes it starts, on those CPUs
+    and the trainer on the rest (rollout.pin_to_rollout_cpus), so that generation-side work does not
+    slow the trainer's step. Python work in the rollout thread still shares the trainer's GIL.
   - Logprobs are those of the distribution vLLM samples from (logits / T, then top-k / top-p
     truncation and renormalization: sampling.py), matching vLLM's processed logprobs. Every request
     states every sampling field, and a start-up probe refuses a server that samples otherwise.
@@ -213,11 +227,8 @@ def check_args(args: argparse.Namespace) -> None:
             cpus = parse_cpus(args.rollout_cpus)
         except ValueError:
             parser.error(f"--rollout-cpus: {args.rollout_cpus!r} is not a CPU list like '0' or '2-5,7'")
-        if not cpus <= os.sched_getaffinity(0):
-            parser.error(
-                f"--rollout-cpus: {sorted(cpus - os.sched_getaffinity(0))} not available to this process "
-                f"(allowed: {sorted(os.sched_getaffinity(0))})"
-            )
+        if max(cpus) >= (os.cpu_count() or 1):
+            parser.error(f"--rollout-cpus: CPU {max(cpus)} does not exist ({os.cpu_count()} CPUs)")
     if args.num_generations < 2:
         parser.error(
             f"--num-generations must be ≥ 2 (group advantages need a group), got {args.num_generations}"
@@ -893,10 +904,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.rollout_cpus is not None:
         # The rollout thread and the tool/reward processes go to these CPUs (rollout.pin_to_rollout_cpus),
         # the trainer and its threads to the rest, so rollouts do not slow the trainer's steps.
-        rollout_cpus = parse_cpus(args.rollout_cpus)
+        rollout_cpus, allowed = parse_cpus(args.rollout_cpus), os.sched_getaffinity(0)
+        try:  # may this process run there at all (a container's cpuset)?
+            os.sched_setaffinity(0, rollout_cpus)
+        except OSError as e:
+            parser.error(f"--rollout-cpus {args.rollout_cpus}: cannot run there ({e})")
+        os.sched_setaffinity(0, allowed - rollout_cpus or allowed)
         os.environ[ROLLOUT_CPUS_ENV] = args.rollout_cpus
-        if os.sched_getaffinity(0) - rollout_cpus:
-            os.sched_setaffinity(0, os.sched_getaffinity(0) - rollout_cpus)
     on_gpu = torch.cuda.is_available()
     # Launched servers take GPUs 0..K−1 (K = --vllm-gpus), trainer rank r GPU K + r.
     first_gpu = 0 if args.vllm_url else args.vllm_gpus

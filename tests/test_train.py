@@ -182,7 +182,7 @@ def test_bad_arguments_fail_before_anything_starts(capsys, tiny_model):
         (["--mini-batches", "0"], "--mini-batches"),
         (["--mini-batches", "65"], "--mini-batches 65 exceeds the 64 sequences"),
         (["--rollout-cpus", "x"], "--rollout-cpus: 'x' is not a CPU list"),
-        (["--rollout-cpus", "4096"], "--rollout-cpus: [4096] not available"),
+        (["--rollout-cpus", "4096"], "--rollout-cpus: CPU 4096 does not exist"),
     ]:
         with pytest.raises(SystemExit):
             T.main(["--model", str(tiny_model), *argv])
