@@ -110,7 +110,7 @@ def main() -> None:
     p.add_argument("--max-context", type=int, default=1024, help="prompt + completion tokens")
     p.add_argument("--lr", type=float, default=1e-5, help="trainer learning rate")
     p.add_argument("--heavy-staleness", type=int, default=1, help="--max-staleness of the heavy-tailed runs")
-    p.add_argument("--tool-turn-s", type=float, default=1.0, help="seconds per extra tool round trip (heavy)")
+    p.add_argument("--tool-turn-s", type=float, default=3.0, help="seconds per extra tool round trip (heavy)")
     p.add_argument("--server-core", default="0", help="core(s) for vLLM's CPU threads and the rollout side")
     p.add_argument("--trainer-core", default="1", help="core(s) for the trainer (taskset -c)")
     p.add_argument("--out", default=None, help="JSON results file to merge into")

@@ -3,7 +3,7 @@ data/heavy_tail.jsonl says how many tool round trips it needs (`tool_turns`, 1 t
 
 The tiny benchmark models always make exactly one tool call, so a row's k round trips are carried by
 that call: the real sandbox run, then k − 1 further round trips of `BENCH_TOOL_TURN_S` seconds each
-(default 1.0, a remote interpreter's latency) whose outputs are appended to the tool response. A k-turn
+(default 3.0, a slow remote interpreter) whose outputs are appended to the tool response. A k-turn
 row's episode is therefore both slower and longer (its tool-response tokens grow with k), as a
 multi-turn tool episode is: the correlation that makes dropping late groups a length bias.
 
@@ -38,7 +38,7 @@ class Episode(retool.Episode):
             code: A complete Python program; print the values you need. numpy and sympy are available.
         """
         out = await super().code_interpreter(code)
-        turn_s = float(os.environ.get("BENCH_TOOL_TURN_S", "1.0"))
+        turn_s = float(os.environ.get("BENCH_TOOL_TURN_S", "3.0"))
         for k in range(2, self.tool_turns + 1):
             await asyncio.sleep(turn_s)
             out += f"\ncheck {k} of {self.tool_turns}: {out.splitlines()[0] if out else ''}"
