@@ -79,7 +79,8 @@ demo: install tiny-model
 	$(PY) scripts/demo.py
 
 # Every figure is a ratio of two things measured in the same run (the machine may be shared); all of them
-# land in bench/results.json, one key per figure with its command and settings. ~15 min on 2 CPU cores.
+# land in bench/results.json, one key per figure with its command and settings. ~50 min on 2 CPU cores
+# (bench_async.py alone ~40: 3 repeats of 9 training runs).
 bench: install tiny-model
 	$(PY) bench/bench_async.py --out bench/results.json
 	$(PY) bench/bench_rollout.py --out bench/results.json

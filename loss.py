@@ -3,7 +3,8 @@
 Three log-probabilities of the same sampled tokens meet here (under the sampling distribution, sampling.py):
   logprobs            log π_θ    the trainer's current policy; carries the gradient.
   old_logprobs        log π_old  the trainer's own logprob before this optimizer step (no grad).
-                                 With one optimizer step per batch it equals logprobs.detach().
+                                 With one optimizer step per batch it equals logprobs.detach();
+                                 with --mini-batches N > 1, a no-grad pass before the first step.
   behaviour_logprobs  log μ      what vLLM sampled with (processed logprobs). μ ≠ π_old because the
                                  sample is stale (older weights) and inference kernels differ.
 

@@ -8,15 +8,20 @@ awaited, so the loop never blocks) → the ids of the tool turn are the chat tem
 that suffix → next prompt = previous prompt + generated ids + tool-response ids → … → the env scores
 the group, advantages are computed, and the scored `RolloutGroup` goes on a bounded `queue.Queue`.
 
-Staleness (PipelineRL/AReaL-style admission): group k is consumed at trainer version ⌊k / G_v⌋, with
-G_v groups per version; starting it only while k < (version + 1 + max_staleness) · G_v bounds its
-staleness by `max_staleness`. `max_staleness=0` is a synchronous on-policy run from the same code.
+Staleness, in model versions (one version = one weight sync = --sync-every trainer steps; G_v groups per
+version): starting group k only while k < (version + 1 + max_staleness) · G_v (PipelineRL/AReaL-style
+admission) keeps the worker at most `max_staleness` versions ahead of the trainer in admission order.
+Groups finish in completion order, though, and a group is as slow as its slowest completion, so a long
+group can still arrive later than that; the trainer keeps it (its behaviour logprobs are exact, so the
+IS weight corrects it) unless told to drop it (--drop-stale). `max_staleness=0` is a synchronous
+on-policy run from the same code.
 """
 
 import asyncio
 import inspect
 import json
 import logging
+import os
 import queue
 import random
 import re
@@ -688,6 +693,34 @@ RolloutFn = Callable[[RolloutContext, object, list[int]], Awaitable[RolloutCompl
 
 
 # ---------------------------------------------------------------------------------------------------
+# CPU PLACEMENT: the rollout side's work stays off the trainer's cores
+# ---------------------------------------------------------------------------------------------------
+ROLLOUT_CPUS_ENV = "ASYNC_GRPO_ROLLOUT_CPUS"  # set by the trainer (--rollout-cpus) for child processes
+
+
+def parse_cpus(spec: str) -> set[int]:
+    """'0', '2-5,7' → {0}, {2, 3, 4, 5, 7} (taskset's list syntax); ValueError on anything else."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    if not cpus or min(cpus) < 0:
+        raise ValueError(spec)
+    return cpus
+
+
+def pin_to_rollout_cpus() -> None:
+    """Move the calling thread (in a fresh child process: the whole process) onto the rollout CPUs named
+    in $ASYNC_GRPO_ROLLOUT_CPUS; nothing when unset. Tool and reward processes started outside the
+    rollout thread (a fork server, a process pool) call this first, e.g. as a pool's `initializer` or a
+    Popen `preexec_fn`, so their work never lands on the trainer's cores. Linux: affinity is per thread
+    and inherited by the threads and processes it starts."""
+    spec = os.environ.get(ROLLOUT_CPUS_ENV)
+    if spec:
+        os.sched_setaffinity(0, parse_cpus(spec))
+
+
+# ---------------------------------------------------------------------------------------------------
 # THE WORKER: groups, admission by staleness, a bounded queue to the trainer
 # ---------------------------------------------------------------------------------------------------
 @dataclass
@@ -697,6 +730,7 @@ class WorkerStats:
     groups_retried: int = 0
     groups_failed: int = 0
     groups_discarded: int = 0  # reported back by the trainer (stale or zero-variance)
+    request_seconds: float = 0.0  # ∫ requests in flight dt; its change over a span / the span = mean
     last_error: str = ""
     errors: list[str] = field(default_factory=list)
 
@@ -795,6 +829,9 @@ class AsyncRolloutWorker:
 
     # --- the loop thread --------------------------------------------------------------------------------
     def _run_thread(self) -> None:
+        # Before any thread or process is started from here (to_thread's pool, sandbox processes):
+        # they inherit this thread's CPUs, not the trainer's.
+        pin_to_rollout_cpus()
         asyncio.set_event_loop(self._loop)
         self._main = self._loop.create_task(self._main_loop())
         try:
@@ -825,8 +862,12 @@ class AsyncRolloutWorker:
             tool_semaphore=asyncio.Semaphore(self.max_concurrent_tools),
         )
         tasks: set[asyncio.Task] = set()
+        t_last = time.monotonic()
         try:
             while not self._stopping.is_set():
+                now = time.monotonic()  # this loop wakes at least every 0.1 s
+                self.stats.request_seconds += sum(self.client.inflight.values()) * (now - t_last)
+                t_last = now
                 while not self._rows_exhausted and self._admissible():
                     try:
                         row = next(self.rows)

@@ -29,16 +29,30 @@ joins the gathers of the weight sync and of the checkpoints (full state dicts, m
 gathered to rank 0's CPU), so a checkpoint is the same files whatever the number of ranks.
 
 The loop. A background thread (rollout.AsyncRolloutWorker) keeps generating scored groups of
-`--num-generations` completions per prompt into a bounded queue; it admits a new group only while its
-staleness would stay within `--max-staleness` versions. The trainer takes `--prompts-per-step` groups
-per step, drops any that are too stale anyway, skips groups whose rewards are all equal (their advantage
-is zero), packs the sequences, takes one AdamW step, and every `--sync-every` steps pushes its weights
-into the servers (weight_sync.WeightSyncer); the model version then increments.
+`--num-generations` completions per prompt into a bounded queue; it admits a new group only while it
+stays within `--max-staleness` versions ahead of the trainer. The trainer takes `--prompts-per-step`
+groups per step (in the order they finish, so a slow group can arrive later than that bound: it is
+trained all the same, IS-corrected; `--drop-stale` drops it instead), skips groups whose rewards are all
+equal (their advantage is zero), packs the sequences, takes `--mini-batches` AdamW steps (default one),
+and every `--sync-every` steps pushes its weights into the servers (weight_sync.WeightSyncer); the
+model version then increments.
 
 Choices a reader should know before the code (see loss.py for the loss's own departures):
-  - One optimizer step per batch, so π_old (the trainer's logprob before the update) is the current
-    forward's logprobs detached; no second forward pass. The truncated IS weight min(π_old/μ, C)
-    corrects for the staleness and the inference/training kernel mismatch.
+  - Staleness is counted in model versions (one version = one weight sync = `--sync-every` steps), the
+    unit of admission (`--max-staleness`), of `--drop-stale` and of the per-token lag metrics
+    (rollout/token_lag_*: trainer version − oldest version of the token's turn, an upper bound).
+  - Late groups are kept: their behaviour logprobs are exact whatever the version, so the truncated IS
+    weight min(π_old/μ, C) corrects them. Dropping them (`--drop-stale`) biases the run against long
+    episodes (a group is as slow as its slowest completion; in ReTool those are the multi-turn tool
+    episodes) and throws their compute away; rollout/trained_vs_admitted_len shows the bias.
+  - Default: one optimizer step per batch, so π_old (the trainer's logprob before the update) is the
+    current forward's logprobs detached; no second forward pass, the PPO ratio is 1 and the clip inert.
+    `--mini-batches N` splits the batch's sequences into N and takes one step on each, with π_old from
+    one no-grad pass before the first: a real trust region (train/clip_*_frac > 0), for one extra
+    forward. The denominators are each mini-batch's; train/loss and train/grad_norm are their means.
+  - `--rollout-cpus` puts the rollout thread, and the threads and processes it starts, on those CPUs
+    and the trainer on the rest (rollout.pin_to_rollout_cpus), so that generation-side work does not
+    slow the trainer's step. Python work in the rollout thread still shares the trainer's GIL.
   - Logprobs are those of the distribution vLLM samples from (logits / T, then top-k / top-p
     truncation and renormalization: sampling.py), matching vLLM's processed logprobs. Every request
     states every sampling field, and a start-up probe refuses a server that samples otherwise.
@@ -84,6 +98,7 @@ import signal
 import sys
 import time
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -101,7 +116,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from envs import ENVS, load_env
 from envs.data import load_rows
 from loss import grpo_loss
-from rollout import AsyncRolloutWorker, ChatTemplate, RolloutContext, VLLMClient, tool_loop_rollout
+from rollout import (
+    ROLLOUT_CPUS_ENV,
+    AsyncRolloutWorker,
+    ChatTemplate,
+    RolloutContext,
+    VLLMClient,
+    parse_cpus,
+    tool_loop_rollout,
+)
 from sampling import FidelityError, Sampling, check_fidelity, probe_server, token_logprobs_and_entropy
 
 # fmt: off
@@ -123,7 +146,14 @@ parser.add_argument("--batch-timeout", type=float, default=600.0,
                     help="seconds to wait for one batch of groups before failing with the reason")
 parser.add_argument("--prompts-per-step", type=int, default=8, help="groups (prompts) per optimizer step")
 parser.add_argument("--num-generations", type=int, default=8, help="completions per prompt (G)")
-parser.add_argument("--max-staleness", type=int, default=1, help="max versions a group may lag (0 = sync)")
+parser.add_argument("--max-staleness", type=int, default=1,
+                    help="versions the worker may admit ahead of the trainer (0 = sync); see --drop-stale")
+parser.add_argument("--drop-stale", action="store_true",
+                    help="drop groups that lag more than --max-staleness versions when trained (biased: "
+                         "drops the slowest, i.e. longest, episodes); default: keep them, IS-corrected")
+parser.add_argument("--rollout-cpus", default=None,
+                    help="CPUs for the rollout thread and its tool/reward processes, e.g. '0' or '2-7'; "
+                         "the trainer keeps the others (default: no pinning)")
 parser.add_argument("--max-turns", type=int, default=4, help="assistant messages per completion")
 parser.add_argument("--max-calls-per-turn", type=int, default=1,
                     help="hermes parallel calls: a turn continues after </tool_call> up to this many calls")
@@ -153,7 +183,10 @@ parser.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up 
 parser.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine"], help="after warm-up")
 parser.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient-norm clip")
 parser.add_argument("--micro-batch-tokens", type=int, default=4096, help="packed tokens per forward pass")
-parser.add_argument("--sync-every", type=int, default=1, help="push weights to vLLM every N steps")
+parser.add_argument("--mini-batches", type=int, default=1,
+                    help="optimizer steps per rollout batch, one per 1/N of it (> 1 makes the clip live)")
+parser.add_argument("--sync-every", type=int, default=1,
+                    help="push weights to vLLM every N steps; one model version = N steps")
 # Logging and checkpoints
 parser.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (and at the end)")
 parser.add_argument("--resume", nargs="?", const="latest", default=None,
@@ -171,7 +204,7 @@ def check_args(args: argparse.Namespace) -> None:
     """Bad arguments fail here, before any server or model is started, naming the argument."""
     positive = ["prompts_per_step", "num_generations", "max_turns", "max_calls_per_turn", "max_context",
                 "max_steps", "micro_batch_tokens", "sync_every", "save_every", "vllm_gpus", "sandbox_workers",
-                "log_completions_every", "eval_limit"]  # fmt: skip
+                "log_completions_every", "eval_limit", "mini_batches"]  # fmt: skip
     for name in positive:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
@@ -189,6 +222,18 @@ def check_args(args: argparse.Namespace) -> None:
         parser.error("--is-cap and --max-grad-norm must be > 0")
     if args.eps_low >= 1:
         parser.error(f"--eps-low must be < 1, got {args.eps_low}")
+    if args.mini_batches > args.prompts_per_step * args.num_generations:
+        parser.error(
+            f"--mini-batches {args.mini_batches} exceeds the {args.prompts_per_step * args.num_generations} "
+            "sequences of a batch (--prompts-per-step × --num-generations)"
+        )
+    if args.rollout_cpus is not None:
+        try:
+            cpus = parse_cpus(args.rollout_cpus)
+        except ValueError:
+            parser.error(f"--rollout-cpus: {args.rollout_cpus!r} is not a CPU list like '0' or '2-5,7'")
+        if max(cpus) >= (os.cpu_count() or 1):
+            parser.error(f"--rollout-cpus: CPU {max(cpus)} does not exist ({os.cpu_count()} CPUs)")
     if args.num_generations < 2:
         parser.error(
             f"--num-generations must be ≥ 2 (group advantages need a group), got {args.num_generations}"
@@ -271,7 +316,9 @@ def explain_batch_timeout(
             "hard or too easy for this model; --keep-zero-variance trains on them anyway)"
         )
     if dropped_stale and dropped_stale > have:
-        reasons.append(f"{dropped_stale} groups dropped as stale (raise --max-staleness)")
+        reasons.append(
+            f"{dropped_stale} groups dropped as stale (raise --max-staleness, or leave out --drop-stale)"
+        )
     if not reasons:
         reasons.append("generation is slower than the timeout allows (raise --batch-timeout)")
     return (
@@ -298,7 +345,7 @@ def collect_groups(
 
     Returns (groups, taken, dropped_stale, skipped_equal, wait_s); `taken` is every group removed from
     the queue (for the dataset position). Staleness = trainer version − version the group was admitted
-    at."""
+    at; a group above --max-staleness is trained (IS-corrected) unless --drop-stale."""
     groups, taken, dropped, skipped = [], [], 0, 0
     t0 = time.monotonic()
     deadline, next_heal = t0 + args.batch_timeout, t0 + heal_every_s
@@ -331,7 +378,7 @@ def collect_groups(
             continue
         taken.append(group)
         staleness = version - group.admitted_version
-        if staleness > args.max_staleness:
+        if args.drop_stale and staleness > args.max_staleness:
             dropped += 1
             worker.discard(1)
         elif not args.keep_zero_variance and max(group.rewards) == min(group.rewards):
@@ -414,55 +461,78 @@ def token_logprobs(model, input_ids, position_ids, sampling: Sampling, with_entr
 def train_step(
     model, ref_model, optimizer, scheduler, seqs, args, rank, world_size, device, traced: dict | None = None
 ) -> dict:
-    """Forward/backward over this rank's packed micro-batches, then one clipped AdamW step. The loss
-    denominators count the whole batch (all micro-batches, all ranks); FSDP averages gradients over
-    ranks, so each rank's loss is scaled by world_size and the update is the one-process update.
-    Returns the train/ metrics of the whole batch. Sequences carrying a "trace" key (the completions
-    logged this step) get this forward's logprobs (π_old, detached) in `traced` on rank 0, keyed by it."""
-    bins = pack(seqs, args.micro_batch_tokens)
-    total_tokens = float(sum(sum(s["mask"]) for s in seqs))
-    num_sequences = float(sum(1 for s in seqs if sum(s["mask"]) > 0))
+    """Forward/backward over this rank's packed micro-batches, then a clipped AdamW step: once per
+    mini-batch (--mini-batches N splits the batch's sequences into N; N = 1 is one step on the whole
+    batch). The loss denominators count the whole mini-batch (all its micro-batches, all ranks); FSDP
+    averages gradients over ranks, so each rank's loss is scaled by world_size and the update is the
+    one-process update. π_old: with N = 1 the forward's own logprobs, detached (the ratio is 1 and the
+    clip inert); with N > 1 one no-grad pass before the first step, so later mini-batches are clipped
+    against the policy that existed before the update. The scheduler steps once per call.
+    Returns the train/ metrics of the whole batch (fractions over all its tokens; loss and grad norm
+    the mean over mini-batches). Sequences carrying a "trace" key (the completions logged this step) get
+    their π_old (detached) in `traced` on rank 0, keyed by it."""
+    n_mini = getattr(args, "mini_batches", 1)
+    minis = [seqs[j * len(seqs) // n_mini : (j + 1) * len(seqs) // n_mini] for j in range(n_mini)]
+    mini_bins = [pack(mini, args.micro_batch_tokens) for mini in minis]
+    old: list[list[torch.Tensor | None]] = [[None] * -(-len(b) // world_size) for b in mini_bins]
+    if n_mini > 1:
+        with torch.no_grad():
+            for j, (mini, bins) in enumerate(zip(minis, mini_bins)):
+                for i, mb_seqs in enumerate(rank_micro_batches(mini, bins, rank, world_size)):
+                    mb = collate(mb_seqs, device)
+                    old[j][i], _ = token_logprobs(
+                        model, mb["input_ids"], mb["position_ids"], sampling_of(args)
+                    )
     sums: dict[str, float] = {}
     maxima = {"is_ratio_max": 0.0}
+    grad_norms, lr = [], scheduler.get_last_lr()[0]
     traced_here: dict[int, list[float]] = {}
-    optimizer.zero_grad(set_to_none=True)
-    for mb_seqs in rank_micro_batches(seqs, bins, rank, world_size):
-        mb = collate(mb_seqs, device)
-        logprobs, entropy = token_logprobs(
-            model, mb["input_ids"], mb["position_ids"], sampling_of(args), with_entropy=True
-        )
-        ref = None
-        if ref_model is not None:
-            with torch.no_grad():
-                ref, _ = token_logprobs(ref_model, mb["input_ids"], mb["position_ids"], sampling_of(args))
-        loss, m = grpo_loss(
-            logprobs, logprobs.detach(), mb["behaviour"], mb["advantages"], mb["loss_mask"],
-            mb["seq_index"], eps_low=args.eps_low, eps_high=args.eps_high, is_cap=args.is_cap,
-            loss_norm=args.loss_norm, total_tokens=max(total_tokens, 1.0),
-            num_sequences=max(num_sequences, 1.0), ref_logprobs=ref, kl_beta=args.kl_beta,
-            entropy=entropy,
-        )  # fmt: skip
-        (loss * world_size).backward()
-        keep_traced(traced_here, mb_seqs, logprobs)
-        sums["loss"] = sums.get("loss", 0.0) + loss.item()
-        for k, v in m.items():
-            if k == "is_ratio_max":
-                maxima[k] = max(maxima[k], v.item())
-            else:
-                sums[k] = sums.get(k, 0.0) + v.item()
-    sums, maxima = reduce_over_ranks(sums, maxima, world_size, device)
+    for mini, bins, mini_old in zip(minis, mini_bins, old):
+        total_tokens = float(sum(sum(s["mask"]) for s in mini))
+        num_sequences = float(sum(1 for s in mini if sum(s["mask"]) > 0))
+        mini_sums: dict[str, float] = {}
+        optimizer.zero_grad(set_to_none=True)
+        for mb_seqs, mb_old in zip(rank_micro_batches(mini, bins, rank, world_size), mini_old):
+            mb = collate(mb_seqs, device)
+            logprobs, entropy = token_logprobs(
+                model, mb["input_ids"], mb["position_ids"], sampling_of(args), with_entropy=True
+            )
+            ref = None
+            if ref_model is not None:
+                with torch.no_grad():
+                    ref, _ = token_logprobs(ref_model, mb["input_ids"], mb["position_ids"], sampling_of(args))
+            loss, m = grpo_loss(
+                logprobs, logprobs.detach() if mb_old is None else mb_old, mb["behaviour"], mb["advantages"],
+                mb["loss_mask"], mb["seq_index"], eps_low=args.eps_low, eps_high=args.eps_high,
+                is_cap=args.is_cap, loss_norm=args.loss_norm, total_tokens=max(total_tokens, 1.0),
+                num_sequences=max(num_sequences, 1.0), ref_logprobs=ref, kl_beta=args.kl_beta,
+                entropy=entropy,
+            )  # fmt: skip
+            (loss * world_size).backward()
+            keep_traced(traced_here, mb_seqs, logprobs if mb_old is None else mb_old)
+            mini_sums["loss"] = mini_sums.get("loss", 0.0) + loss.item()
+            for k, v in m.items():
+                if k == "is_ratio_max":
+                    maxima[k] = max(maxima[k], v.item())
+                else:
+                    mini_sums[k] = mini_sums.get(k, 0.0) + v.item()
+        mini_sums, maxima = reduce_over_ranks(mini_sums, maxima, world_size, device)
+        for k, v in mini_sums.items():
+            sums[k] = sums.get(k, 0.0) + v
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        grad_norm = (
+            grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        )  # FSDP: DTensor
+        grad_norms.append(grad_norm.item())
+        optimizer.step()
+    scheduler.step()
     if any("trace" in s for s in seqs):
         gathered = gather_traced(traced_here, world_size)
         if traced is not None:
             traced.update(gathered)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-    grad_norm = getattr(grad_norm, "full_tensor", lambda: grad_norm)()  # FSDP: a replicated DTensor
-    lr = scheduler.get_last_lr()[0]
-    optimizer.step()
-    scheduler.step()
     ntok = max(sums.get("tokens", 0.0), 1.0)
     return {
-        "train/loss": sums["loss"],
+        "train/loss": sums["loss"] / n_mini,
         "train/clip_low_frac": sums["clip_low"] / ntok,
         "train/clip_high_frac": sums["clip_high"] / ntok,
         "train/is_ratio_mean": sums["is_ratio"] / ntok,
@@ -471,10 +541,11 @@ def train_step(
         "train/mismatch_kl": sums["mismatch_kl"] / ntok,
         "train/entropy": sums["entropy"] / ntok,
         "train/kl_ref": sums.get("kl_ref", 0.0) / ntok,
-        "train/grad_norm": grad_norm.item(),
+        "train/grad_norm": sum(grad_norms) / n_mini,
         "train/lr": lr,
         "train/loss_tokens": sums.get("tokens", 0.0),
-        "train/micro_batches": float(len(bins)),
+        "train/micro_batches": float(sum(len(b) for b in mini_bins)),
+        "train/optimizer_steps": float(n_mini),
     }
 
 
@@ -669,7 +740,12 @@ def make_tracker(report_to: str, out_dir: Path, config: dict):
         return NoTracker()
 
 
-def rollout_metrics(groups, dropped: int, skipped: int) -> dict[str, float]:
+LAG_BUCKETS = 4  # token-lag histogram: rollout/token_lag_0 .. _3, then rollout/token_lag_4plus
+
+
+def rollout_metrics(
+    groups, dropped: int, skipped: int, taken=None, version: int | None = None
+) -> dict[str, float]:
     rewards = [r for g in groups for r in g.rewards]
     advs = [a for g in groups for a in g.advantages]
     comps = [c for g in groups for c in g.completions]
@@ -700,6 +776,24 @@ def rollout_metrics(groups, dropped: int, skipped: int) -> dict[str, float]:
     m["rollout/completion_len_min"] = float(min(len(c) for c in comps))
     versions = [c.model_versions for c in comps if c.turns]
     m["rollout/multi_version_frac"] = sum(v[0] != v[1] for v in versions) / max(1, len(versions))
+    if taken is not None:  # length bias of what reaches the loss: trained vs every group taken off the queue
+        admitted = [len(c) for g in taken for c in g.completions]
+        m["rollout/admitted_completions"] = float(len(admitted))
+        m["rollout/admitted_len_mean"] = sum(admitted) / max(1, len(admitted))
+        m["rollout/trained_vs_admitted_len"] = m["rollout/completion_len_mean"] / max(
+            1e-9, m["rollout/admitted_len_mean"]
+        )
+    if version is not None:  # per generated token: trainer version − oldest version of its turn (≥ true lag)
+        lags = Counter()
+        for c in comps:
+            for turn in c.turns:
+                lags[version - turn.model_versions[0]] += len(turn.generated_ids)
+        n = max(1, sum(lags.values()))
+        m["rollout/token_lag_mean"] = sum(k * v for k, v in lags.items()) / n
+        m["rollout/token_lag_max"] = float(max(lags, default=0))
+        for b in range(LAG_BUCKETS):
+            m[f"rollout/token_lag_{b}"] = lags.get(b, 0) / n
+        m[f"rollout/token_lag_{LAG_BUCKETS}plus"] = sum(v for k, v in lags.items() if k >= LAG_BUCKETS) / n
     return m
 
 
@@ -959,6 +1053,16 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--resume: no checkpoint in {out_dir / 'checkpoints'}")
     random.seed(args.seed)
     torch.manual_seed(args.seed)
+    if args.rollout_cpus is not None:
+        # The rollout thread and the tool/reward processes go to these CPUs (rollout.pin_to_rollout_cpus),
+        # the trainer and its threads to the rest, so rollouts do not slow the trainer's steps.
+        rollout_cpus, allowed = parse_cpus(args.rollout_cpus), os.sched_getaffinity(0)
+        try:  # may this process run there at all (a container's cpuset)?
+            os.sched_setaffinity(0, rollout_cpus)
+        except OSError as e:
+            parser.error(f"--rollout-cpus {args.rollout_cpus}: cannot run there ({e})")
+        os.sched_setaffinity(0, allowed - rollout_cpus or allowed)
+        os.environ[ROLLOUT_CPUS_ENV] = args.rollout_cpus
     on_gpu = torch.cuda.is_available()
     # Launched servers take GPUs 0..K−1 (K = --vllm-gpus), trainer rank r GPU K + r.
     first_gpu = 0 if args.vllm_url else args.vllm_gpus
@@ -1137,7 +1241,7 @@ def main(argv: list[str] | None = None) -> None:
         # TRAIN LOOP
         # -------------------------------------------------------------------------------------------
         bar = tqdm(total=args.max_steps, initial=step, desc="grpo", dynamic_ncols=True)
-        t_last = time.monotonic()
+        t_last, request_s = time.monotonic(), worker.stats.request_seconds
         while step < args.max_steps:
             groups, taken, dropped, skipped, wait_s = collect_groups(
                 worker, args.prompts_per_step, version, args, urls, stop_flag, heal
@@ -1146,6 +1250,7 @@ def main(argv: list[str] | None = None) -> None:
 
             # Every rank gets the batch and trains on its share of it (train_step).
             t_train = time.monotonic()
+            version_trained = version  # the version the batch's lags are measured against
             seqs = batch_sequences(groups)
             # The completions logged this step carry a "trace" key: train_step returns their logprobs.
             logging = (step + 1) % args.log_completions_every == 0 or step == 0
@@ -1177,12 +1282,14 @@ def main(argv: list[str] | None = None) -> None:
             now = time.monotonic()
             step_s, t_last = now - t_last, now
             metrics = {"step": step, "model_version": version, "dataset_position": position}
-            metrics.update(rollout_metrics(groups, dropped, skipped))
+            metrics.update(rollout_metrics(groups, dropped, skipped, taken, version_trained))
             metrics.update(train)
             metrics.update(sync)
             metrics.update(fidelity)  # the start-up probe's gaps, on the first step's line
             fidelity = {}
+            request_s, request_s_last = worker.stats.request_seconds, request_s
             metrics.update({
+                "perf/requests_in_flight": (request_s - request_s_last) / step_s,
                 "perf/step_s": step_s,
                 "perf/wait_s": wait_s,
                 "perf/idle_frac": wait_s / step_s,

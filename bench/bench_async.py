@@ -1,23 +1,38 @@
-"""Async speedup and trainer idle fraction: the same optimizer steps with --max-staleness 0 (synchronous)
-vs 1, 2, 4, run one after the other against one vLLM server on the same workload.
+"""Figure 1, async training: speedup over synchronous, judged against its bound; the trainer's step time
+with rollouts beside it; length bias on a heavy-tailed workload. One vLLM server, every run one after
+the other, `--repeats` runs per setting, medians.
 
-    python bench/bench_async.py [--staleness 0 1 2 4] [--steps 8] [--out bench/results.json]
+    python bench/bench_async.py [--staleness 0 1 2 4] [--repeats 3] [--steps 8] [--out bench/results.json]
+    python bench/bench_async.py --staleness 0 1 --repeats 1 --steps 3 --skip 1   # a smoke run, ~6 min
 
-Cores: the server's CPU threads are pinned to core 0 (VLLM_CPU_OMP_THREADS_BIND=0) and the trainer runs
-under `taskset -c 1` with OMP_NUM_THREADS=1 (its rollout thread and sandbox processes inherit core 1),
-so generation and training each own one core and the best async speedup is ~2x when they take equal
-time. Each run starts by pushing the base weights into the server (the trainer syncs at start with
---vllm-url), so every setting starts from the same model.
+Cores: the server's CPU threads are pinned to --server-core (VLLM_CPU_OMP_THREADS_BIND), the trainer
+runs under `taskset -c --trainer-core` with OMP_NUM_THREADS=1, and `--rollout-cpus --server-core` moves
+its rollout thread (and the sandbox processes that thread starts) onto the server's core, so training
+owns its core and generation-side work shares the generator's.
 
-Figures, from each run's metrics.jsonl:
-  1. wall seconds of the training loop (sum of perf/step_s; process start-up excluded) and the speedup
-     over staleness 0; mean reward over the same steps, so speed is not bought with learning.
-  2. trainer idle fraction in steady state: sum of perf/wait_s / sum of perf/step_s after --skip steps.
+Per --max-staleness setting s (workload `equal`: retool, the same optimizer steps for every s):
+  gen_tok_s         generated tokens / step seconds, median over the steady steps (after --skip)
+  in_flight         mean vLLM requests in flight (perf/requests_in_flight)
+  train_s           median trainer step time (perf/train_s); at s = 0 nothing generates while the
+                    trainer trains (admission waits for the new version), so s = 0 gives train_s alone
+  inflation         train_s(s) / train_s(0); goal ≤ 1.1
+  speedup           seconds per trained group at s = 0 / at s
+  bound, efficiency a synchronous run at the SAME generation concurrency as s ((s + 1) × the groups per
+                    step, so vLLM batches as many requests) gives gen = its wait per step and train = its
+                    train_s; overlapping them can at best turn gen + train into max(gen, train):
+                    bound = (gen + train) / max(gen, train). overlap = that run's seconds per group / s's;
+                    efficiency = overlap / bound (goal ≥ 0.9). `speedup` above also contains the better
+                    batching; `overlap` does not.
+Heavy-tailed workload (bench/heavy_tail_env.py, data/heavy_tail.jsonl: rows needing 1 to 4 tool round
+trips) at --heavy-staleness, with and without --drop-stale: trained / admitted completion length
+(goal ≥ 0.95 without --drop-stale), groups dropped, token lag mean and max, seconds per trained group.
+Each run starts by pushing the base weights into the server, so every run starts from the same model.
 """
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,30 +45,54 @@ from bench.results import merge_results  # noqa: E402
 from vllm_server import start_vllm_server  # noqa: E402
 
 
-def run_trainer(url: str, staleness: int, out_dir: Path, args) -> dict:
+def run_trainer(url: str, out_dir: Path, args, staleness: int, prompts: int, steps: int, *extra: str) -> list:
+    """One training run; its steady-state per-step metrics lines (after --skip steps)."""
+    script = "bench/heavy_tail_env.py" if "heavy_tail" in extra else "train_async_grpo.py"
     cmd = [
-        "taskset", "-c", args.trainer_core, sys.executable, str(REPO / "train_async_grpo.py"),
-        "--model", args.model, "--env", args.env, "--vllm-url", url, "--output-dir", str(out_dir),
-        "--max-staleness", str(staleness), "--max-steps", str(args.steps), "--seed", "0",
-        "--prompts-per-step", str(args.prompts_per_step), "--num-generations", str(args.num_generations),
+        "taskset", "-c", args.trainer_core, sys.executable, str(REPO / script),
+        "--model", args.model, "--vllm-url", url, "--output-dir", str(out_dir),
+        "--max-staleness", str(staleness), "--max-steps", str(steps), "--seed", "0",
+        "--prompts-per-step", str(prompts), "--num-generations", str(args.num_generations),
         "--max-turns", str(args.max_turns), "--max-context", str(args.max_context), "--lr", str(args.lr),
-        "--save-every", "100000", "--log-completions-every", "100000",
+        "--save-every", "100000", "--log-completions-every", "100000", "--keep-zero-variance",
+        "--rollout-cpus", args.server_core, *extra,
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TQDM_DISABLE="1")
-    t0 = time.monotonic()
     subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL)
-    process_s = time.monotonic() - t0
     lines = (out_dir / "metrics.jsonl").read_text().splitlines()
-    steps = [m for m in map(json.loads, lines) if "perf/step_s" in m]  # not eval-only lines
-    steady = steps[args.skip :]
+    steps_m = [m for m in map(json.loads, lines) if "perf/step_s" in m]  # not eval-only lines
+    return steps_m[min(args.skip, len(steps_m) - 1) :]
+
+
+def med(steps: list[dict], key: str) -> float:
+    return statistics.median(s[key] for s in steps)
+
+
+def summarize(steps: list[dict], prompts: int) -> dict:
+    n_trained = sum(s["rollout/completions"] for s in steps)
+    n_admitted = sum(s["rollout/admitted_completions"] for s in steps)
+    trained_len = sum(s["rollout/completion_len_mean"] * s["rollout/completions"] for s in steps) / n_trained
+    admitted_len = sum(s["rollout/admitted_len_mean"] * s["rollout/admitted_completions"] for s in steps)
     return {
-        "loop_s": round(sum(s["perf/step_s"] for s in steps), 1),
-        "process_s": round(process_s, 1),
-        "reward_mean": round(sum(s["rollout/reward_mean"] for s in steps) / len(steps), 3),
-        "idle_frac": round(sum(s["perf/wait_s"] for s in steady) / sum(s["perf/step_s"] for s in steady), 3),
-        "train_s_per_step": round(sum(s["perf/train_s"] for s in steady) / len(steady), 2),
-        "gen_tokens_per_step": round(sum(s["rollout/generated_tokens"] for s in steady) / len(steady)),
+        "s_per_group": med(steps, "perf/step_s") / prompts,
+        "gen_tok_s": med(steps, "perf/gen_tok_s"),
+        "in_flight": med(steps, "perf/requests_in_flight"),
+        "train_s": med(steps, "perf/train_s"),
+        "wait_s": med(steps, "perf/wait_s"),
+        "len_ratio": trained_len / (admitted_len / n_admitted),
+        "dropped": sum(s["rollout/dropped_stale"] for s in steps),
+        "token_lag_mean": sum(s["rollout/token_lag_mean"] for s in steps) / len(steps),
+        "token_lag_max": max(s["rollout/token_lag_max"] for s in steps),
+        "reward_mean": sum(s["rollout/reward_mean"] for s in steps) / len(steps),
     }
+
+
+def medians(runs: list[dict]) -> dict:
+    """Per key, the median over repeats (rounded), plus the spread of seconds per group."""
+    out = {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}
+    out["s_per_group_range"] = [round(min(r["s_per_group"] for r in runs), 3),
+                                round(max(r["s_per_group"] for r in runs), 3)]  # fmt: skip
+    return out
 
 
 def main() -> None:
@@ -61,52 +100,86 @@ def main() -> None:
     p.add_argument(
         "--model", default="models/tiny-warm", help="model the server serves and the trainer trains"
     )
-    p.add_argument("--env", default="retool", help="environment (envs/)")
-    p.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 4], help="settings to compare")
-    p.add_argument("--steps", type=int, default=8, help="optimizer steps per setting")
-    p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the idle fraction")
+    p.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 4], help="settings (first: 0)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per setting (medians)")
+    p.add_argument("--steps", type=int, default=8, help="optimizer steps per run at the base batch")
+    p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of every figure")
     p.add_argument("--prompts-per-step", type=int, default=2, help="groups per step")
     p.add_argument("--num-generations", type=int, default=4, help="completions per group")
     p.add_argument("--max-turns", type=int, default=2, help="model turns per completion")
     p.add_argument("--max-context", type=int, default=1024, help="prompt + completion tokens")
     p.add_argument("--lr", type=float, default=1e-5, help="trainer learning rate")
-    p.add_argument("--server-core", default="0", help="core(s) for vLLM's CPU threads")
+    p.add_argument("--heavy-staleness", type=int, default=1, help="--max-staleness of the heavy-tailed runs")
+    p.add_argument("--tool-turn-s", type=float, default=3.0, help="seconds per extra tool round trip (heavy)")
+    p.add_argument("--server-core", default="0", help="core(s) for vLLM's CPU threads and the rollout side")
     p.add_argument("--trainer-core", default="1", help="core(s) for the trainer (taskset -c)")
     p.add_argument("--out", default=None, help="JSON results file to merge into")
     args = p.parse_args()
+    if args.staleness[0] != 0:
+        p.error("--staleness must start with 0 (the synchronous baseline)")
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-async-"))
-    runs = {}
+    P, runs, same_conc, heavy = args.prompts_per_step, {}, {}, {}
+    t0 = time.monotonic()
     with start_vllm_server(
         args.model, cpu_threads_bind=args.server_core, max_model_len=args.max_context, log_dir=tmp
     ) as server:
-        for s in args.staleness:
-            runs[s] = run_trainer(server.url, s, tmp / f"staleness-{s}", args)
-            print(f"max-staleness {s}: {runs[s]}", flush=True)
+        for rep in range(args.repeats):  # repeats outermost: drift in the machine's load hits every setting
+            for s in args.staleness:
+                d = tmp / f"r{rep}-s{s}"
+                runs.setdefault(s, []).append(
+                    summarize(run_trainer(server.url, d, args, s, P, args.steps), P)
+                )
+                print(f"repeat {rep} staleness {s}: {runs[s][-1]}", flush=True)
+                if s > 0:  # synchronous at the same concurrency: (s + 1) × the groups per step
+                    steps = max(args.skip + 2, args.steps // (s + 1))
+                    d = tmp / f"r{rep}-sync{s}"
+                    same_conc.setdefault(s, []).append(
+                        summarize(run_trainer(server.url, d, args, 0, P * (s + 1), steps), P * (s + 1))
+                    )
+                    print(f"repeat {rep} sync at staleness {s}'s concurrency: {same_conc[s][-1]}", flush=True)
+            os.environ["BENCH_TOOL_TURN_S"] = str(args.tool_turn_s)
+            for drop in (False, True):
+                extra = ("--env", "heavy_tail", "--dataset", "data/heavy_tail.jsonl", "--max-turns", "4")
+                extra += ("--drop-stale",) if drop else ()
+                d = tmp / f"r{rep}-heavy-{'drop' if drop else 'keep'}"
+                steps = run_trainer(server.url, d, args, args.heavy_staleness, P, args.steps, *extra)
+                heavy.setdefault(drop, []).append(summarize(steps, P))
+                print(f"repeat {rep} heavy-tailed drop_stale={drop}: {heavy[drop][-1]}", flush=True)
 
-    base = runs[args.staleness[0]]["loop_s"]
+    base = medians(runs[0])
+    figure = {"staleness_0": {**base, "speedup": 1.0, "inflation": 1.0}}
+    for s in args.staleness[1:]:
+        r, c = medians(runs[s]), medians(same_conc[s])
+        gen, train = c["wait_s"], c["train_s"]
+        bound = (gen + train) / max(gen, train, 1e-9)
+        overlap = c["s_per_group"] / r["s_per_group"]
+        figure[f"staleness_{s}"] = {
+            **r, "speedup": round(base["s_per_group"] / r["s_per_group"], 2),
+            "inflation": round(r["train_s"] / base["train_s"], 2),
+            "sync_same_concurrency": c, "bound": round(bound, 2), "overlap": round(overlap, 2),
+            "efficiency": round(overlap / bound, 2),
+        }  # fmt: skip
     settings = (
-        f"{args.model}, --env {args.env}, {args.steps} steps x {args.prompts_per_step} prompts x "
-        f"{args.num_generations} generations, --max-turns {args.max_turns}, "
-        f"--max-context {args.max_context}; vLLM threads on core {args.server_core}, "
-        f"trainer `taskset -c {args.trainer_core}` OMP_NUM_THREADS=1; "
-        "one server, settings run one after the other"
+        f"{args.model}, retool, {args.steps} steps x {P} prompts x {args.num_generations} generations, "
+        f"--max-turns {args.max_turns}, --max-context {args.max_context}, --keep-zero-variance; "
+        f"steady state after {args.skip} steps; medians of {args.repeats} repeats; vLLM threads and "
+        f"--rollout-cpus on core {args.server_core}, trainer `taskset -c {args.trainer_core}` "
+        f"OMP_NUM_THREADS=1; one server, runs one after the other"
     )
     command = "python bench/bench_async.py " + " ".join(sys.argv[1:])
     results = {
-        "async_speedup": {
-            **{f"staleness_{s}": {"loop_s": r["loop_s"], "speedup": round(base / r["loop_s"], 2),
-                                  "reward_mean": r["reward_mean"]} for s, r in runs.items()},
-            "settings": settings, "command": command,
-        },
-        "trainer_idle_frac": {
-            **{f"staleness_{s}": r["idle_frac"] for s, r in runs.items()},
-            "settings": f"steady state: steps {args.skip + 1}..{args.steps}; " + settings,
+        "async": {**figure, "settings": settings, "command": command},
+        "async_heavy_tail": {
+            "keep": medians(heavy[False]), "drop_stale": medians(heavy[True]),
+            "settings": f"bench/heavy_tail_env.py on data/heavy_tail.jsonl (1-4 tool round trips, "
+            f"{args.tool_turn_s} s each after the first), --max-staleness {args.heavy_staleness}, "
+            f"--max-turns 4; " + settings,
             "command": command,
         },
     }  # fmt: skip
     print(json.dumps(results, indent=2))
-    print(json.dumps({f"staleness_{s}": r for s, r in runs.items()}, indent=2))
+    print(f"bench_async: {time.monotonic() - t0:.0f} s", flush=True)
     if args.out:
         merge_results(args.out, results)
 

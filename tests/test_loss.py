@@ -259,3 +259,70 @@ def batches(draw):
 @given(batches())
 def test_property_matches_reference_loop(batch):
     check_against_reference(*batch)
+
+
+# ---- mini-batches × micro-batches: the accounting train_step relies on --------------------------
+
+
+@st.composite
+def split_batches(draw):
+    """A batch of sequences cut into contiguous mini-batches, each cut into contiguous micro-batches."""
+    lens = draw(st.lists(st.integers(1, 4), min_size=2, max_size=6))
+    n = sum(lens)
+    f = st.floats(-3, 0, allow_nan=False)
+    lp, old, beh = (draw(st.lists(f, min_size=n, max_size=n)) for _ in range(3))
+    adv = draw(st.lists(st.floats(-2, 2, allow_nan=False), min_size=len(lens), max_size=len(lens)))
+    mask = draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))
+    cuts = sorted(draw(st.sets(st.integers(1, len(lens) - 1), max_size=len(lens) - 1)))
+    minis = [range(a, b) for a, b in zip([0, *cuts], [*cuts, len(lens)])]
+    micro_cuts = [sorted(draw(st.sets(st.integers(1, len(m)), max_size=len(m)))) for m in minis]
+    norm = draw(st.sampled_from(["token", "sequence"]))
+    return lens, lp, old, beh, adv, mask, minis, micro_cuts, norm
+
+
+@settings(max_examples=200, deadline=None)
+@given(split_batches())
+def test_mini_and_micro_batches_add_up_to_the_reference(batch):
+    """Each mini-batch's micro-batch losses, with that mini-batch's denominators, add up to the plain
+    loop over the mini-batch; the metric sums over all micro-batches of all mini-batches are the batch's
+    (tokens, clip counts), so the fractions train_step reports are exact."""
+    lens, lp, old, beh, adv, mask, minis, micro_cuts, norm = batch
+    starts = [sum(lens[:k]) for k in range(len(lens) + 1)]
+    tok = lambda seqs: [i for k in seqs for i in range(starts[k], starts[k + 1])]  # noqa: E731
+    tokens = clip_low = clip_high = 0.0
+    for mini, cuts in zip(minis, micro_cuts):
+        idx = tok(mini)
+        n_tok = sum(mask[i] for i in idx)
+        n_seq = sum(1 for k in mini if any(mask[i] for i in tok([k])))
+        denom = {"total_tokens": max(n_tok, 1)} if norm == "token" else {"num_sequences": max(n_seq, 1)}
+        total = 0.0
+        for a, b in zip([0, *cuts], [*cuts, len(mini)]):
+            if a == b:
+                continue
+            seqs = list(mini)[a:b]
+            ids = tok(seqs)
+            seq = torch.tensor([j for j, k in enumerate(seqs) for _ in range(lens[k])])
+            adv_mb = t(*[adv[k] for k in seqs for _ in range(lens[k])])
+            loss, m = grpo_loss(
+                *(t(*[xs[i] for i in ids]) for xs in (lp, old, beh)), adv_mb, t(*[mask[i] for i in ids]), seq,
+                loss_norm=norm, **denom,
+            )  # fmt: skip
+            total += loss.item()
+            tokens, clip_low, clip_high = (
+                tokens + m["tokens"],
+                clip_low + m["clip_low"],
+                clip_high + m["clip_high"],
+            )
+        adv_tok = [adv[k] for k in mini for _ in range(lens[k])]
+        seq_all = [k for k in mini for _ in range(lens[k])]
+        expected = reference(
+            [torch.tensor(lp[i], dtype=torch.float64) for i in idx], [old[i] for i in idx],
+            [beh[i] for i in idx], adv_tok, [mask[i] for i in idx], seq_all, norm=norm,
+            denom=max(n_tok, 1) if norm == "token" else max(n_seq, 1),
+        )  # fmt: skip
+        assert total == pytest.approx(float(expected), abs=1e-9)
+    ratio = [math.exp(a - b) for a, b in zip(lp, old)]
+    adv_all = [adv[k] for k in range(len(lens)) for _ in range(lens[k])]
+    assert tokens == sum(mask)
+    assert clip_low == sum(1 for i, r in enumerate(ratio) if mask[i] and adv_all[i] < 0 and r < 0.8)
+    assert clip_high == sum(1 for i, r in enumerate(ratio) if mask[i] and adv_all[i] > 0 and r > 1.28)

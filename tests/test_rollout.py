@@ -4,6 +4,7 @@ model generated was re-tokenized."""
 
 import asyncio
 import functools
+import os
 import queue
 import threading
 import time
@@ -22,6 +23,7 @@ from envs.data import load_rows
 from envs.sandbox import Sandbox
 from records import STOP_REASONS, RolloutCompletion, TokenAccountingError, TurnRecord
 from rollout import (
+    ROLLOUT_CPUS_ENV,
     AsyncRolloutWorker,
     ChatTemplate,
     ChatTemplateError,
@@ -29,6 +31,7 @@ from rollout import (
     GenerationError,
     RolloutContext,
     VLLMClient,
+    parse_cpus,
     run_tool,
     tool_loop_rollout,
 )
@@ -715,6 +718,49 @@ def test_missing_logprobs_requeues_the_whole_group(tokenizer):
     assert worker.stats.groups_retried >= 1
     for c in group.completions:  # the delivered group comes from a clean retry
         assert len(c.completion_ids) == len(c.behaviour_logprobs) == len(c.loss_mask) == 3
+
+
+def test_rollout_thread_runs_on_the_rollout_cpus(tokenizer, monkeypatch):
+    """--rollout-cpus: the worker thread (and so every thread and process it starts) moves onto the
+    named CPUs; the trainer's thread keeps its own."""
+    allowed = os.sched_getaffinity(0)
+    cpu = max(allowed)
+    monkeypatch.setenv(ROLLOUT_CPUS_ENV, str(cpu))
+    fake = FakeVLLM(["ok"])
+    worker, loop = start_worker_on(fake, tokenizer)
+    try:
+        worker.queue.get(timeout=20)
+        assert os.sched_getaffinity(worker._thread.native_id) == {cpu}
+        assert os.sched_getaffinity(0) == allowed
+    finally:
+        worker.stop()
+        asyncio.run_coroutine_threadsafe(fake.stop(), loop).result(5)
+    assert parse_cpus("0") == {0} and parse_cpus("2-4,7") == {2, 3, 4, 7}
+    for bad in ("", "a", "3-1,", "-1"):
+        with pytest.raises(ValueError):
+            parse_cpus(bad)
+
+
+def test_admission_counts_versions_of_sync_every_steps():
+    """Staleness is counted in model versions; one version = --sync-every trainer steps, so the trainer
+    passes groups_per_version = prompts_per_step × sync_every. With max_staleness s the worker is at
+    most s versions ahead: (version + 1 + s) versions' worth of groups admitted, never more."""
+    prompts_per_step, sync_every, s = 2, 3, 1
+    worker = AsyncRolloutWorker(
+        None, None, None, iter(()), num_generations=2, groups_per_version=prompts_per_step * sync_every,
+        max_staleness=s,
+    )  # fmt: skip
+
+    def admit_all() -> int:
+        while worker._admissible():
+            worker.stats.groups_started += 1
+        return worker.stats.groups_started
+
+    assert admit_all() == (1 + s) * prompts_per_step * sync_every == 12
+    worker.set_version(1)  # the trainer took sync_every steps and synced once
+    assert admit_all() == 18
+    worker.discard(2)  # dropped or equal-reward groups are replaced
+    assert admit_all() == 20
 
 
 def test_stop_returns_fast_when_servers_are_gone_for_good(tokenizer):

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 
 import train_async_grpo as T
 from envs.sandbox import isolation_mode
+from records import RolloutCompletion, RolloutGroup, TurnRecord, group_metrics
 from rollout import ClientStats, WorkerStats
 from sampling import Sampling
 
@@ -84,8 +85,10 @@ def _fake_worker(alive: bool, groups=(), **stats):
     )  # fmt: skip
 
 
-def _args(**kw):
-    return SimpleNamespace(batch_timeout=1.0, max_staleness=1, keep_zero_variance=False, **kw)
+def _args(drop_stale: bool = False, **kw):
+    return SimpleNamespace(
+        batch_timeout=1.0, max_staleness=1, keep_zero_variance=False, drop_stale=drop_stale, **kw
+    )
 
 
 def test_batch_timeout_names_a_dead_worker_and_a_down_server():
@@ -117,8 +120,47 @@ def test_batch_timeout_says_all_rewards_were_equal_and_stale_groups_are_dropped(
     assert "all rewards equal in 3 groups" in str(e.value)
     worker = _fake_worker(alive=True, groups=[stale] * 2, groups_started=2, groups_done=2)
     with pytest.raises(T.BatchTimeout) as e:
-        T.collect_groups(worker, 1, 5, _args(), [], {"stop": False})  # trainer at version 5
+        T.collect_groups(worker, 1, 5, _args(drop_stale=True), [], {"stop": False})  # trainer at version 5
     assert "2 groups dropped as stale" in str(e.value)
+
+
+def _group(admitted: int, lens_versions: list[tuple[int, int, int]], rewards=(0.0, 1.0)):
+    """A group of one completion per (generated tokens, oldest version, newest version) turn list."""
+    comps = []
+    for n, lo, hi in lens_versions:
+        c = RolloutCompletion(prompt_len=2, prompt_messages=[])
+        c.add_turn(TurnRecord(tuple(range(n)), (-1.0,) * n, "stop", (lo, hi)))
+        comps.append(c)
+    return RolloutGroup(
+        prompt_messages=[], prompt_ids=[1, 2], row={"_index": admitted}, completions=comps,
+        rewards=list(rewards), advantages=[0.0] * len(comps), admitted_version=admitted,
+        metrics=group_metrics(comps),
+    )  # fmt: skip
+
+
+def test_late_groups_are_trained_and_their_token_lags_counted_in_versions():
+    """A long group admitted at version 0 arrives when the trainer is at version 3 (max staleness 1):
+    kept by default, its tokens' lags (versions, the unit of admission and of --drop-stale) counted;
+    dropped only with --drop-stale, and then the length ratio shows the bias."""
+    late = _group(0, [(40, 0, 0), (40, 0, 1)])  # turn 2 spans a sync: lag from its oldest version
+    fresh = _group(3, [(4, 3, 3), (4, 3, 3)])
+    kept, taken, dropped, _, _ = T.collect_groups(
+        _fake_worker(True, [late, fresh]), 2, 3, _args(), [], {"stop": False}
+    )
+    assert kept == [late, fresh] and dropped == 0
+    m = T.rollout_metrics(kept, dropped, 0, taken, version=3)
+    assert m["rollout/token_lag_max"] == 3 and m["rollout/token_lag_3"] == 80 / 88
+    assert m["rollout/token_lag_0"] == 8 / 88 and m["rollout/token_lag_4plus"] == 0
+    assert m["rollout/token_lag_mean"] == pytest.approx(240 / 88)
+    assert m["rollout/trained_vs_admitted_len"] == 1.0 and m["rollout/staleness_max"] == 3
+
+    worker = _fake_worker(True, [late, fresh, fresh])
+    kept, taken, dropped, _, _ = T.collect_groups(worker, 2, 3, _args(drop_stale=True), [], {"stop": False})
+    assert kept == [fresh, fresh] and dropped == 1
+    m = T.rollout_metrics(kept, dropped, 0, taken, version=3)
+    assert m["rollout/dropped_stale"] == 1 and m["rollout/token_lag_max"] == 0
+    assert m["rollout/admitted_len_mean"] == (80 + 16) / 6
+    assert m["rollout/trained_vs_admitted_len"] == pytest.approx(4 / 16)
 
 
 def test_row_stream_resumes_where_it_left_off():
@@ -138,6 +180,10 @@ def test_bad_arguments_fail_before_anything_starts(capsys, tiny_model):
         (["--dataset", "nope.jsonl"], "--dataset"),
         (["--vllm-url", "localhost:8000"], "--vllm-url"),
         (["--num-generations", "1"], "--num-generations"),
+        (["--mini-batches", "0"], "--mini-batches"),
+        (["--mini-batches", "65"], "--mini-batches 65 exceeds the 64 sequences"),
+        (["--rollout-cpus", "x"], "--rollout-cpus: 'x' is not a CPU list"),
+        (["--rollout-cpus", "4096"], "--rollout-cpus: CPU 4096 does not exist"),
     ]:
         with pytest.raises(SystemExit):
             T.main(["--model", str(tiny_model), *argv])
@@ -255,10 +301,14 @@ def _step_args() -> SimpleNamespace:
     return SimpleNamespace(
         micro_batch_tokens=24, temperature=0.8, top_p=1.0, top_k=0, eps_low=0.2, eps_high=0.28, is_cap=2.0,
         loss_norm="token", kl_beta=0.0, max_grad_norm=1e9,  # no clipping: would hide a wrong gradient scale
+        mini_batches=1,
     )  # fmt: skip
 
 
-def _one_sgd_step(model_dir: Path, seqs: list[dict], rank: int, world_size: int, loss_norm: str) -> tuple:
+def _one_sgd_step(
+    model_dir: Path, seqs: list[dict], rank: int, world_size: int, loss_norm: str, mini_batches: int = 1,
+    lr: float = 0.5,
+) -> tuple:  # fmt: skip
     """One train_step with plain SGD (update = −lr · gradient, so the update shows the gradient's scale;
     AdamW's first step would not). Returns (metrics, full weights, traced logprobs) on rank 0."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -267,10 +317,10 @@ def _one_sgd_step(model_dir: Path, seqs: list[dict], rank: int, world_size: int,
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if world_size > 1:
         T.shard_model(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     args = _step_args()
-    args.loss_norm = loss_norm
+    args.loss_norm, args.mini_batches = loss_norm, mini_batches
     cpu = torch.device("cpu")
     traced = {}
     metrics = T.train_step(model, None, optimizer, scheduler, seqs, args, rank, world_size, cpu, traced)
@@ -287,46 +337,132 @@ def _fsdp_rank(rank: int, world_size: int, port: int, model_dir: Path, seqs: lis
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))  # fmt: skip
     assert T.init_distributed(0, 120)[:2] == (rank, world_size)
-    results = {norm: _one_sgd_step(model_dir, seqs, rank, world_size, norm) for norm in ("token", "sequence")}
+    results = {
+        (norm, n): _one_sgd_step(model_dir, seqs, rank, world_size, norm, n)
+        for norm in ("token", "sequence")
+        for n in (1, 2)
+    }
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()
 
 
-def test_two_fsdp_ranks_take_the_one_process_step(tmp_path, tiny_model):
-    """Five sequences in three micro-batches: rank 1 also runs a masked filler micro-batch. The summed
-    loss, the gradient norm and the updated weights must equal one process's; the logprobs of the
-    traced sequences (the viewer's, from both ranks' micro-batches) are gathered on rank 0 and equal
-    each sequence's own forward before the update."""
-    import torch.multiprocessing as mp
-
-    from vllm_server import free_port
-
+def _seqs_for_ranks() -> list[dict]:
     gen = torch.Generator().manual_seed(1)
     seqs = [_seq(p, c, gen) for p, c in [(5, 9), (3, 4), (7, 12), (4, 6), (6, 3)]]
     for k, s in enumerate(seqs):
         s["advantage"] = [1.0, -0.5, 0.7, -1.2, 0.3][k]
         s["behaviour"] = [-2.0 - 0.1 * j if m else 0.0 for j, m in enumerate(s["mask"])]
+    return seqs
+
+
+def _reference_steps(model_dir: Path, seqs: list[dict], n_mini: int, loss_norm: str, lr: float) -> tuple:
+    """The PPO update written out: π_old of every sequence from one no-grad forward (for N = 1 the same
+    numbers as the forward's own, detached), then per 1/N of the sequences one SGD step on the loss of
+    the formula in loss.py, each sequence forwarded alone (no packing), denominators of that 1/N.
+    Returns (mean loss, [loss tokens, clip_low tokens, clip_high tokens], weights)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    sampling = Sampling(0.8)
+
+    def logprobs(s):
+        ids = torch.tensor(s["ids"])[None]
+        return T.token_logprobs(model, ids, torch.arange(ids.shape[1])[None], sampling)[0]
+
+    with torch.no_grad():
+        old = [logprobs(s) for s in seqs]
+    losses, counts = [], [0, 0, 0]
+    for j in range(n_mini):
+        mini = range(j * len(seqs) // n_mini, (j + 1) * len(seqs) // n_mini)
+        n_tok = sum(sum(seqs[i]["mask"]) for i in mini)
+        n_seq = sum(1 for i in mini if sum(seqs[i]["mask"]))
+        model.zero_grad()
+        loss = 0.0
+        for i in mini:
+            s, lp = seqs[i], logprobs(seqs[i])
+            mask, a = torch.tensor(s["mask"], dtype=torch.float32), s["advantage"]
+            r = torch.exp(lp - old[i])
+            w = torch.exp(old[i] - torch.tensor(s["behaviour"])).clamp(max=2.0)
+            per_token = -w * torch.minimum(r * a, r.clamp(0.8, 1.28) * a) * mask
+            loss = loss + (
+                per_token.sum() / n_tok if loss_norm == "token" else per_token.sum() / mask.sum() / n_seq
+            )
+            counts[0] += int(mask.sum())
+            counts[1] += int(((r < 0.8) & (mask > 0)).sum()) if a < 0 else 0
+            counts[2] += int(((r > 1.28) & (mask > 0)).sum()) if a > 0 else 0
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= lr * p.grad
+        losses.append(loss.item())
+    return sum(losses) / n_mini, counts, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("n_mini", [1, 2, 3])
+@pytest.mark.parametrize("norm", ["token", "sequence"])
+def test_mini_batches_take_the_hand_written_ppo_steps(tiny_model, norm, n_mini):
+    """Packed micro-batches (24 tokens: several per mini-batch), N optimizer steps per batch: the same
+    loss, token counts, clip counts and weights as the update written out by hand. N = 1 is the one
+    full-batch step the trainer always took."""
+    seqs = _seqs_for_ranks()
+    lr = 0.5 if n_mini == 1 else 20.0  # large steps, so later mini-batches are clipped (if n_mini > 1)
+    metrics, weights, _ = _one_sgd_step(tiny_model, seqs, 0, 1, norm, n_mini, lr=lr)
+    loss, (n_tok, clip_low, clip_high), ref_weights = _reference_steps(tiny_model, seqs, n_mini, norm, lr)
+    assert metrics["train/loss"] == pytest.approx(loss, rel=1e-5)
+    assert metrics["train/loss_tokens"] == n_tok == sum(sum(s["mask"]) for s in seqs)
+    assert metrics["train/clip_low_frac"] == pytest.approx(clip_low / n_tok)
+    assert metrics["train/clip_high_frac"] == pytest.approx(clip_high / n_tok)
+    assert metrics["train/optimizer_steps"] == n_mini
+    assert (clip_low > 0 and clip_high > 0) == (n_mini > 1)  # both clipped branches are exercised
+    for k in weights:
+        torch.testing.assert_close(weights[k], ref_weights[k], atol=1e-6, rtol=1e-5, msg=k)
+
+
+def test_the_clip_is_live_with_mini_batches(tiny_model):
+    """A batch built to need clipping: the same two sequences twice, advantage +1 and −1. With two
+    mini-batches the first step raises one and lowers the other, so the second mini-batch's ratios
+    against π_old leave [0.8, 1.28] on both sides; with one step per batch the ratio is 1."""
+    a, b = _seqs_for_ranks()[:2]
+    a["advantage"], b["advantage"] = 1.0, -1.0
+    seqs = [a, b, a, b]
+    one, _, _ = _one_sgd_step(tiny_model, seqs, 0, 1, "token", 1, lr=100.0)
+    two, _, _ = _one_sgd_step(tiny_model, seqs, 0, 1, "token", 2, lr=100.0)
+    assert one["train/clip_low_frac"] == one["train/clip_high_frac"] == 0
+    assert two["train/clip_low_frac"] > 0 and two["train/clip_high_frac"] > 0
+
+
+def test_two_fsdp_ranks_take_the_one_process_step(tmp_path, tiny_model):
+    """Five sequences in three micro-batches: rank 1 also runs a masked filler micro-batch. The summed
+    loss, the gradient norm and the updated weights must equal one process's, with one and with two
+    optimizer steps per batch (mini-batches of 2 and 3 sequences: ranks pad each one on its own)."""
+    import torch.multiprocessing as mp
+
+    from vllm_server import free_port
+
+    seqs = _seqs_for_ranks()
     for k in (0, 2, 4):
         seqs[k]["trace"] = k
     assert len(T.pack(seqs, _step_args().micro_batch_tokens)) == 3
     out = tmp_path / "rank0.pt"
     mp.spawn(_fsdp_rank, args=(2, free_port(), tiny_model, seqs, out), nprocs=2, join=True)
     two = torch.load(out, weights_only=False)
-    for norm in ("token", "sequence"):
-        metrics, weights, traced = _one_sgd_step(tiny_model, seqs, 0, 1, norm)
-        m2, w2, traced2 = two[norm]
+    for norm, n in two:
+        metrics, weights, traced = _one_sgd_step(tiny_model, seqs, 0, 1, norm, n)
+        m2, w2, traced2 = two[norm, n]
         assert sorted(traced) == sorted(traced2) == [0, 2, 4]
         for k in traced:
             torch.testing.assert_close(
                 torch.tensor(traced2[k]), torch.tensor(traced[k]), atol=1e-5, rtol=1e-5
             )
-        for k in ["train/loss", "train/grad_norm", "train/loss_tokens", "train/entropy", "train/lr"]:
-            assert m2[k] == pytest.approx(metrics[k], rel=1e-5), (norm, k)
+        for k in ["train/loss", "train/grad_norm", "train/loss_tokens", "train/entropy", "train/lr",
+                  "train/clip_low_frac", "train/clip_high_frac", "train/is_ratio_mean"]:  # fmt: skip
+            assert m2[k] == pytest.approx(metrics[k], rel=1e-5), (norm, n, k)
         assert metrics["train/grad_norm"] > 0
         assert w2.keys() == weights.keys()
         for k in weights:
-            torch.testing.assert_close(w2[k], weights[k], atol=1e-6, rtol=1e-5, msg=f"{norm} {k}")
+            torch.testing.assert_close(w2[k], weights[k], atol=1e-6, rtol=1e-5, msg=f"{norm} {n} {k}")
+    # The traced logprobs (the viewer's, from both ranks' micro-batches) are each sequence's own forward
+    # before the update.
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     with torch.no_grad():
         for k, lp in traced.items():
