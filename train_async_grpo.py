@@ -92,7 +92,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -114,7 +114,10 @@ parser.add_argument("--seed", type=int, default=0, help="seeds torch, python and
 # Rollouts
 parser.add_argument("--vllm-url", action="append", default=None,
                     help="a running vLLM server (repeatable); none = launch our own")
-parser.add_argument("--vllm-gpus", type=int, default=1, help="GPUs for launched servers (CPU: 1)")
+parser.add_argument("--vllm-gpus", type=int, default=None,
+                    help="GPUs 0..K-1 for launched servers (default: every GPU the trainer ranks leave; "
+                         "CPU: one server)")
+parser.add_argument("--vllm-tp", type=int, default=1, help="GPUs per launched server (tensor parallel)")
 parser.add_argument("--server-timeout", type=float, default=600.0, help="start-up limit for launched servers")
 parser.add_argument("--batch-timeout", type=float, default=600.0,
                     help="seconds to wait for one batch of groups before failing with the reason")
@@ -143,6 +146,9 @@ parser.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weigh
 parser.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up steps")
 parser.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine"], help="after warm-up")
 parser.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient-norm clip")
+parser.add_argument("--compute-dtype", default=None, choices=["bf16", "fp32"],
+                    help="forward/backward dtype over fp32 weights and optimizer state "
+                         "(default: bf16 on GPU, fp32 on CPU)")
 parser.add_argument("--micro-batch-tokens", type=int, default=4096, help="packed tokens per forward pass")
 parser.add_argument("--sync-every", type=int, default=1, help="push weights to vLLM every N steps")
 # Logging and checkpoints
@@ -161,7 +167,7 @@ parser.add_argument("--report-to", default="none", choices=["none", "tensorboard
 def check_args(args: argparse.Namespace) -> None:
     """Bad arguments fail here, before any server or model is started, naming the argument."""
     positive = ["prompts_per_step", "num_generations", "max_turns", "max_context", "max_steps",
-                "micro_batch_tokens", "sync_every", "save_every", "vllm_gpus", "sandbox_workers",
+                "micro_batch_tokens", "sync_every", "save_every", "vllm_tp", "sandbox_workers",
                 "log_completions_every", "eval_limit"]  # fmt: skip
     for name in positive:
         if getattr(args, name) < 1:
@@ -170,6 +176,8 @@ def check_args(args: argparse.Namespace) -> None:
                  "weight_decay", "lr"]:  # fmt: skip
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be ≥ 0, got {getattr(args, name)}")
+    if args.vllm_gpus is not None and args.vllm_gpus < 1:
+        parser.error(f"--vllm-gpus must be ≥ 1, got {args.vllm_gpus}")
     if args.temperature <= 0:
         parser.error(
             f"--temperature must be > 0 for training (logprobs divide by it), got {args.temperature}"
@@ -414,14 +422,21 @@ def train_step(model, ref_model, optimizer, scheduler, seqs, args, rank, world_s
     sums: dict[str, float] = {}
     maxima = {"is_ratio_max": 0.0}
     optimizer.zero_grad(set_to_none=True)
+    # bf16 compute over fp32 weights: autocast runs the matmuls in bf16, the gradients land on the fp32
+    # parameters, AdamW updates fp32 (a 1e-6 step is far below half a bf16 ulp: bf16 weights would not
+    # move). Under FSDP2 the MixedPrecisionPolicy (shard_model) casts the gathered weights as well.
+    autocast = functools.partial(
+        torch.autocast, device.type, dtype=torch.bfloat16, enabled=args.compute_dtype == "bf16"
+    )
     for mb_seqs in rank_micro_batches(seqs, bins, rank, world_size):
         mb = collate(mb_seqs, device)
-        logprobs, entropy = token_logprobs(
-            model, mb["input_ids"], mb["position_ids"], args.temperature, with_entropy=True
-        )
+        with autocast():  # token_logprobs takes the log-softmax in fp32
+            logprobs, entropy = token_logprobs(
+                model, mb["input_ids"], mb["position_ids"], args.temperature, with_entropy=True
+            )
         ref = None
         if ref_model is not None:
-            with torch.no_grad():
+            with torch.no_grad(), autocast():
                 ref, _ = token_logprobs(ref_model, mb["input_ids"], mb["position_ids"], args.temperature)
         loss, m = grpo_loss(
             logprobs, logprobs.detach(), mb["behaviour"], mb["advantages"], mb["loss_mask"],
@@ -464,6 +479,58 @@ def train_step(model, ref_model, optimizer, scheduler, seqs, args, rank, world_s
 # ---------------------------------------------------------------------------------------------------
 # RANKS: torchrun → FSDP2; rank 0 broadcasts each batch, every rank trains on its share of it
 # ---------------------------------------------------------------------------------------------------
+def plan_devices(
+    num_gpus: int, ranks: int, vllm_gpus: int | None, vllm_tp: int, launch_servers: bool
+) -> tuple[list[str], list[str]]:
+    """Where everything runs on one box: (CUDA_VISIBLE_DEVICES of each launched server, device of each
+    trainer rank). Servers take GPUs 0..vllm_gpus−1 (`vllm_tp` each), rank r the GPU after them; with
+    no --vllm-gpus the servers take every GPU the ranks leave. A layout that does not fit raises
+    ValueError with one line saying what would. No GPU: one server and every rank on the CPU."""
+    if num_gpus == 0:
+        return (["cpu"] if launch_servers else []), ["cpu"] * ranks
+    if not launch_servers:  # --vllm-url: the servers are elsewhere (or on GPUs hidden from us)
+        if ranks > num_gpus:
+            raise ValueError(
+                f"{ranks} trainer ranks but {num_gpus} GPU(s) visible: use --nproc-per-node ≤ {num_gpus}"
+            )
+        return [], [f"cuda:{r}" for r in range(ranks)]
+    if num_gpus == 1:
+        raise ValueError(
+            "1 GPU visible: a launched vLLM server and the trainer cannot share it (no colocation); use 2 "
+            "GPUs (one server, one trainer process), or start a server elsewhere and pass --vllm-url"
+        )
+    if vllm_gpus is None:
+        vllm_gpus = (num_gpus - ranks) // vllm_tp * vllm_tp
+    free = num_gpus - ranks
+    fits = []
+    if free >= vllm_tp:
+        fits.append(f"--vllm-gpus {free // vllm_tp * vllm_tp} with --nproc-per-node {ranks}")
+    if vllm_gpus >= vllm_tp and num_gpus - vllm_gpus >= 1:
+        fits.append(f"--vllm-gpus {vllm_gpus} with --nproc-per-node {num_gpus - vllm_gpus}")
+    fits = " or ".join(fits) or f"--vllm-gpus {num_gpus - 1} with one trainer process and --vllm-tp 1"
+    if vllm_gpus < vllm_tp or vllm_gpus % vllm_tp:
+        raise ValueError(
+            f"--vllm-gpus {vllm_gpus} is not a multiple of --vllm-tp {vllm_tp} (≥ 1 server); "
+            f"on {num_gpus} GPUs try {fits}"
+        )
+    if vllm_gpus + ranks > num_gpus:
+        raise ValueError(
+            f"layout does not fit: {vllm_gpus} server GPU(s) + {ranks} trainer rank(s) > {num_gpus} GPUs "
+            f"visible; try {fits}"
+        )
+    servers = [",".join(str(g) for g in range(i, i + vllm_tp)) for i in range(0, vllm_gpus, vllm_tp)]
+    return servers, [f"cuda:{vllm_gpus + r}" for r in range(ranks)]
+
+
+def describe_plan(num_gpus: int, servers: list[str], rank_devices: list[str]) -> str:
+    """The one start-up line: where each server and each rank runs."""
+    where = "none launched (--vllm-url)"
+    if servers:
+        where = "the CPU" if num_gpus == 0 else "GPU " + " | ".join(servers)
+    ranks = ", ".join(f"rank {r} → {d}" for r, d in enumerate(rank_devices))
+    return f"device plan ({num_gpus} GPU(s) visible): vLLM servers on {where}; trainer {ranks}"
+
+
 def init_distributed(first_gpu: int, timeout_s: float) -> tuple[int, int, torch.device]:
     """(rank, world_size, device). Under torchrun (WORLD_SIZE > 1) joins the default group: nccl on GPU,
     gloo on CPU. Rank r trains on GPU first_gpu + r (launched servers take GPUs 0..first_gpu−1).
@@ -481,13 +548,17 @@ def init_distributed(first_gpu: int, timeout_s: float) -> tuple[int, int, torch.
     return rank, world_size, device
 
 
-def shard_model(model) -> None:
+def shard_model(model, compute_dtype: str = "fp32") -> None:
     """FSDP2: each decoder layer is a unit (its weights gathered for its forward, freed after), the
     root holds the rest (embeddings, final norm, lm_head). Parameter names are unchanged, and each
-    parameter becomes a DTensor sharded on dim 0 over the ranks."""
+    parameter becomes a DTensor sharded on dim 0 over the ranks. With bf16 compute the shards stay in
+    their dtype (fp32 masters), the gathered weights are bf16 and gradients are reduced in fp32."""
+    policy = MixedPrecisionPolicy()
+    if compute_dtype == "bf16":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
 
 
 def broadcast_message(message, world_size: int):
@@ -771,10 +842,22 @@ def main(argv: list[str] | None = None) -> None:
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     on_gpu = torch.cuda.is_available()
-    # Launched servers take GPUs 0..K−1 (K = --vllm-gpus), trainer rank r GPU K + r.
-    first_gpu = 0 if args.vllm_url else args.vllm_gpus
+    args.compute_dtype = args.compute_dtype or ("bf16" if on_gpu else "fp32")
+    # Checked before anything starts: launched servers take GPUs 0..K−1, trainer rank r GPU K + r.
+    num_gpus = torch.cuda.device_count() if on_gpu else 0
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+    try:
+        server_gpus, rank_devices = plan_devices(
+            num_gpus, ranks, args.vllm_gpus, args.vllm_tp, not args.vllm_url
+        )
+    except ValueError as e:
+        parser.error(str(e))
+    first_gpu = int(rank_devices[0].removeprefix("cuda:")) if on_gpu else 0
     rank, world_size, device = init_distributed(first_gpu, args.server_timeout + 3 * args.batch_timeout)
-    dtype = torch.bfloat16 if on_gpu else torch.float32
+    if rank == 0:
+        print(
+            describe_plan(num_gpus, server_gpus, rank_devices) + f"; compute {args.compute_dtype}", flush=True
+        )
 
     env = load_env(args.env)
     make_episode = env.make_episode
@@ -789,19 +872,21 @@ def main(argv: list[str] | None = None) -> None:
     if args.chat_template:
         tokenizer.chat_template = Path(args.chat_template).read_text()
     template = ChatTemplate(tokenizer, tools=getattr(make_episode(rows[0]), "tools", None))
-    model = AutoModelForCausalLM.from_pretrained(ckpt or args.model, dtype=dtype).to(device)
+    # fp32 weights and optimizer state whatever the compute dtype (see train_step).
+    model = AutoModelForCausalLM.from_pretrained(ckpt or args.model, dtype=torch.float32).to(device)
     model.train()
     if on_gpu:
         model.gradient_checkpointing_enable()
     loaded_checksum = param_checksum(model.named_parameters()) if ckpt is not None else None
     ref_model = None
     if args.kl_beta > 0:
-        ref_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
+        ref_dtype = torch.bfloat16 if args.compute_dtype == "bf16" else torch.float32  # frozen: no masters
+        ref_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=ref_dtype).to(device).eval()
         ref_model.requires_grad_(False)
     if world_size > 1:
-        shard_model(model)
+        shard_model(model, args.compute_dtype)
         if ref_model is not None:
-            shard_model(ref_model)
+            shard_model(ref_model, args.compute_dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, args.warmup_steps, args.max_steps, args.lr_schedule)
@@ -828,6 +913,9 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
 
+    # Servers (launched here, or assumed of those given by --vllm-url) run bf16 on GPU, fp32 on CPU (the
+    # CPU tests compare logprobs with the trainer's exactly).
+    serving_dtype = "bfloat16" if on_gpu else "float32"
     servers, syncer, worker, tracker, bar = [], None, None, NoTracker(), None
     stop_flag = {"stop": False}
     signal.signal(signal.SIGTERM, lambda *_: stop_flag.update(stop=True))
@@ -876,6 +964,12 @@ def main(argv: list[str] | None = None) -> None:
             return
         try:
             syncer.join(stale)
+        except WeightSyncError as e:  # names a server that did not answer; those that did have joined
+            print(f"weight-transfer group: {e}", file=sys.stderr, flush=True)
+        stale = [u for u in stale if u in syncer.groups]
+        if not stale:
+            return
+        try:
             if push:
                 sync_weights(syncer, model, version, world_size, urls=stale)
         except WeightSyncError as e:
@@ -895,12 +989,20 @@ def main(argv: list[str] | None = None) -> None:
             from vllm_server import start_vllm_servers
 
             servers = start_vllm_servers(
-                args.model, num_servers=args.vllm_gpus if on_gpu else 1, gpus_per_server=1,
+                args.model, num_servers=len(server_gpus), gpus_per_server=args.vllm_tp if on_gpu else 1,
                 log_dir=out_dir / "vllm-logs", timeout_s=args.server_timeout, max_model_len=args.max_context,
+                dtype=serving_dtype,
             )  # fmt: skip
             urls, model_name = [s.url for s in servers], str(args.model)
             write_servers_file()
-        syncer = WeightSyncer(urls, backend="nccl" if on_gpu else "gloo")
+        # From here Ctrl-C is deferred in every mode (as SIGTERM is): it stops the run between steps
+        # (collect_groups raises KeyboardInterrupt), never inside an optimizer step, a weight sync or a
+        # checkpoint write. Before this point (server start-up) there is nothing to leave half-done.
+        signal.signal(signal.SIGINT, lambda *_: stop_flag.update(stop=True))
+        # The fp32 masters are cast to the servers' dtype as they are sent (half the bytes on GPU).
+        syncer = WeightSyncer(
+            urls, backend="nccl" if on_gpu else "gloo", send_dtype=getattr(torch, serving_dtype)
+        )
         syncer.init()
         # Always push ours, even onto launched servers that hold the base model: servers given by
         # --vllm-url may hold anything, a checkpoint's weights must go in, and the version tag it sets
