@@ -499,20 +499,25 @@ def plan_devices(
             "1 GPU visible: a launched vLLM server and the trainer cannot share it (no colocation); use 2 "
             "GPUs (one server, one trainer process), or start a server elsewhere and pass --vllm-url"
         )
-    if vllm_gpus is None:
-        vllm_gpus = (num_gpus - ranks) // vllm_tp * vllm_tp
-    free = num_gpus - ranks
+    free = num_gpus - ranks  # what the trainer ranks leave for servers
     fits = []
     if free >= vllm_tp:
         fits.append(f"--vllm-gpus {free // vllm_tp * vllm_tp} with --nproc-per-node {ranks}")
-    if vllm_gpus >= vllm_tp and num_gpus - vllm_gpus >= 1:
+    if vllm_gpus is not None and vllm_gpus % vllm_tp == 0 and 1 <= num_gpus - vllm_gpus < ranks:
         fits.append(f"--vllm-gpus {vllm_gpus} with --nproc-per-node {num_gpus - vllm_gpus}")
-    fits = " or ".join(fits) or f"--vllm-gpus {num_gpus - 1} with one trainer process and --vllm-tp 1"
-    if vllm_gpus < vllm_tp or vllm_gpus % vllm_tp:
-        raise ValueError(
-            f"--vllm-gpus {vllm_gpus} is not a multiple of --vllm-tp {vllm_tp} (≥ 1 server); "
-            f"on {num_gpus} GPUs try {fits}"
-        )
+    if not fits:
+        tp = vllm_tp if num_gpus > vllm_tp else 1
+        fits.append(f"--vllm-gpus {tp} --vllm-tp {tp} with --nproc-per-node {num_gpus - tp}")
+    fits = " or ".join(fits)
+    if vllm_gpus is None:
+        if free < vllm_tp:
+            raise ValueError(
+                f"{ranks} trainer rank(s) leave {max(free, 0)} of {num_gpus} GPUs for vLLM servers "
+                f"(one needs {vllm_tp}); try {fits}"
+            )
+        vllm_gpus = free // vllm_tp * vllm_tp
+    if vllm_gpus % vllm_tp:
+        raise ValueError(f"--vllm-gpus {vllm_gpus} is not a multiple of --vllm-tp {vllm_tp}; try {fits}")
     if vllm_gpus + ranks > num_gpus:
         raise ValueError(
             f"layout does not fit: {vllm_gpus} server GPU(s) + {ranks} trainer rank(s) > {num_gpus} GPUs "
