@@ -12,10 +12,11 @@
     # curves
     python scripts/plot_metrics.py runs/x/metrics.jsonl --out runs/x/plots
 
-One 8-GPU box: `--vllm-gpus K` runs one vLLM server on each of GPUs 0..K-1 and the trainer ranks on
-GPUs K..7, rank r on GPU K + r (all 8 GPUs visible, no CUDA_VISIBLE_DEVICES):
+One GPU box: `--vllm-gpus K` runs vLLM servers on GPUs 0..K-1 (`--vllm-tp` GPUs each) and trainer rank r
+on GPU K + r; K defaults to every GPU the ranks leave (2 GPUs, one process: server on 0, trainer on 1).
+The plan is checked before anything starts and printed in one line; one GPU needs --vllm-url.
 
-    torchrun --nproc-per-node 6 train_async_grpo.py --model Qwen/Qwen2.5-1.5B-Instruct --vllm-gpus 2
+    torchrun --nproc-per-node 6 train_async_grpo.py --model Qwen/Qwen2.5-7B-Instruct --vllm-gpus 2
 
     # the same distributed code on CPU (gloo), as tests/test_train.py runs it
     python -m torch.distributed.run --nproc-per-node 2 train_async_grpo.py --model models/tiny-warm
@@ -39,6 +40,9 @@ Choices a reader should know before the code (see loss.py for the loss's own dep
   - One optimizer step per batch, so π_old (the trainer's logprob before the update) is the current
     forward's logprobs detached; no second forward pass. The truncated IS weight min(π_old/μ, C)
     corrects for the staleness and the inference/training kernel mismatch.
+  - Precision: fp32 weights and AdamW state, bf16 forward/backward on GPU (`--compute-dtype`; autocast in
+    one process, FSDP2's MixedPrecisionPolicy over fp32 shards); the sync casts to the servers' bf16.
+    bf16 weights would not train: at lr 1e-6 an update is far below half a bf16 ulp.
   - Logprobs are taken at the sampling temperature (logits / T), matching vLLM's processed logprobs.
   - Packing: every micro-batch is ONE row of concatenated sequences (no padding) whose position_ids
     restart at 0 for each sequence. With `use_cache=False` and no attention_mask, transformers (≥ 4.54)
@@ -62,6 +66,8 @@ Choices a reader should know before the code (see loss.py for the loss's own dep
     a server answers without our weight version (a restart says "default") it gets a new transfer group
     and the current weights, and only then does the client route to it again. The run stops (with a
     checkpoint) only if no batch comes within --batch-timeout.
+  - Ctrl-C and SIGTERM are deferred once the servers are up: the run stops between steps, never inside
+    an optimizer step, a weight sync or a checkpoint write.
   - Shutdown (end, Ctrl-C, SIGTERM, exception): stop the rollout worker → final checkpoint (also after a
     batch timeout, which strikes between steps; not after an exception mid-step) → release the
     weight-sync group → stop the servers. Launched servers' process groups are in
