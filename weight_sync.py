@@ -321,7 +321,9 @@ class WeightSyncer:
     breaks only its own group and the others still get the whole sync; the trainer posts each bucket
     to every group at once, which costs what one gloo broadcast to all would (gloo's broadcast sends
     one copy per peer either way). nccl: one group over all servers, as vLLM's own trainer engine does
-    (NCCL relays through its ring/tree), so a failure there fails the sync for every server.
+    (NCCL relays through its ring/tree), so a failure there fails the sync for every server, a sync
+    always goes to every member (`urls` is widened: a collective over a server outside the sync would
+    hang), and a member that fails before the broadcast fails the sync with no collective at all.
 
     A server that fails a sync leaves its group; once it answers again (restarted, or alive all along)
     `out_of_step` names it, `join([url])` gives it a new group and `sync(..., urls=[url])` the weights.
@@ -463,8 +465,8 @@ class WeightSyncer:
         self, named_params: Iterable[tuple[str, torch.Tensor]], version: int, urls: list[str] | None = None
     ) -> dict:
         """Load `named_params` (HF names, as `load_weights` expects; DTensors are gathered one at a
-        time) into every joined server (or those of `urls`) and tag them with `version`; returns sync/
-        metrics.
+        time) into every joined server (or those of `urls`; nccl: all) and tag them with `version`;
+        returns sync/ metrics.
 
         A server that fails (dead, erroring, or silent past its timeout) is dropped from the rest of
         the sync and leaves its group; the others finish the sync and are resumed; a failed server
