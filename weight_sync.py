@@ -47,7 +47,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -321,7 +321,9 @@ class WeightSyncer:
     breaks only its own group and the others still get the whole sync; the trainer posts each bucket
     to every group at once, which costs what one gloo broadcast to all would (gloo's broadcast sends
     one copy per peer either way). nccl: one group over all servers, as vLLM's own trainer engine does
-    (NCCL relays through its ring/tree), so a failure there fails the sync for every server.
+    (NCCL relays through its ring/tree), so a failure there fails the sync for every server, a sync
+    always goes to every member (`urls` is widened: a collective over a server outside the sync would
+    hang), and a member that fails before the broadcast fails the sync with no collective at all.
 
     A server that fails a sync leaves its group; once it answers again (restarted, or alive all along)
     `out_of_step` names it, `join([url])` gives it a new group and `sync(..., urls=[url])` the weights.
@@ -363,21 +365,35 @@ class WeightSyncer:
     def join(self, urls: list[str]) -> None:
         """Ask the servers `urls` to join while the trainer joins as rank 0 (both sides block until the
         group is complete, so the HTTP calls run on threads). A server already joined gets a new group
-        (the old one may be out of step). nccl has one group for all: it is re-formed with every server."""
+        (the old one may be out of step). nccl has one group for all: it is re-formed with every server
+        that answers. Every server is probed first, so a dead one costs the others nothing: they join,
+        then `WeightSyncError` names the dead one."""
         if self.rank != 0:
             return
         from vllm_server import free_port
 
         if self.backend == "nccl":
             urls = self.urls
-        sizes = {}
+        sizes, dead = {}, {}
         for u in urls:
-            self.groups.pop(u, None)
             try:
                 with urllib.request.urlopen(u + "/get_world_size", timeout=self.http_timeout_s) as r:
                     sizes[u] = int(json.loads(r.read())["world_size"])
-            except Exception as e:
-                raise WeightSyncError(f"init: {u} did not answer /get_world_size: {e}") from e
+            except Exception as e:  # noqa: BLE001 - named in the error below, after the others joined
+                dead[u] = f"did not answer /get_world_size: {e}"
+        for u in urls:  # their groups are replaced (or, for the dead ones, gone)
+            self.groups.pop(u, None)
+        urls = [u for u in urls if u in sizes]
+        if urls:
+            self._form_groups(urls, sizes, free_port)
+        if dead:
+            raise WeightSyncError(
+                "init: "
+                + "; ".join(f"{u} {m}" for u, m in dead.items())
+                + f" (joined: {', '.join(urls) or 'none'})"
+            )
+
+    def _form_groups(self, urls: list[str], sizes: dict[str, int], free_port) -> None:
         if self.backend == "nccl":
             port, world = free_port(), 1 + sum(sizes.values())
             offsets = [1 + sum(sizes[v] for v in urls[:i]) for i in range(len(urls))]
@@ -449,8 +465,8 @@ class WeightSyncer:
         self, named_params: Iterable[tuple[str, torch.Tensor]], version: int, urls: list[str] | None = None
     ) -> dict:
         """Load `named_params` (HF names, as `load_weights` expects; DTensors are gathered one at a
-        time) into every joined server (or those of `urls`) and tag them with `version`; returns sync/
-        metrics.
+        time) into every joined server (or those of `urls`; nccl: all) and tag them with `version`;
+        returns sync/ metrics.
 
         A server that fails (dead, erroring, or silent past its timeout) is dropped from the rest of
         the sync and leaves its group; the others finish the sync and are resumed; a failed server
@@ -463,7 +479,11 @@ class WeightSyncer:
             for _, p in params:  # stay in step with rank 0's gathers
                 _materialize(p)
             return {}
+        # nccl: one communicator spans every joined server, so a subset sync would run a collective over
+        # servers that are not in it (a hang until the transfer timeout): it syncs them all.
         targets = [u for u in (urls or self.urls) if u in self.groups]
+        if self.backend == "nccl":
+            targets = [u for u in self.urls if u in self.groups]
         if not targets:
             for _, p in params:  # the other FSDP ranks are in these gathers: never leave them waiting
                 _materialize(p)
@@ -496,6 +516,13 @@ class WeightSyncer:
         t0 = time.perf_counter()
         phase("/pause?mode=keep")
         phase("/start_weight_update")
+        if self.backend == "nccl" and failed and ok:
+            # A member of the one communicator dropped out before the broadcast: a collective without
+            # it would hang. No broadcast this time: the others put their old weights back and fail
+            # too; `heal` re-forms the group with the servers that answer.
+            phase("/finish_weight_update")
+            why = f"{', '.join(failed)} left before the broadcast (one nccl group spans every server)"
+            drop({u: why for u in ok}, "update_weights")
         # The servers receive inside /update_weights, so it runs while we broadcast.
         pool = ThreadPoolExecutor(max_workers=max(1, len(ok)))
         receiving = list(ok)
@@ -542,6 +569,10 @@ class WeightSyncer:
         self, params: list[tuple[str, torch.Tensor]], dtypes: list[torch.dtype], urls: list[str]
     ) -> tuple[int, dict[str, str]]:
         """Broadcast every tensor from rank 0 to the servers `urls`; returns (bytes, {url: error})."""
+        if not urls:  # every target failed before the broadcast: the other FSDP ranks gather anyway
+            for _, p in params:
+                _materialize(p)
+            return 0, {}
         num_bytes = 0
 
         def full_tensors():
@@ -552,20 +583,8 @@ class WeightSyncer:
                 yield name, t
 
         if self.backend == "nccl":
-            from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
-
-            device = torch.cuda.current_device()
-
-            def send() -> None:
-                torch.cuda.set_device(device)  # a new thread starts on device 0
-                packed_nccl_broadcast_producer(
-                    iterator=full_tensors(), group=self.groups[urls[0]], src=0,
-                    post_iter_func=lambda item: item[1], buffer_size_bytes=self.bucket_bytes, num_buffers=2,
-                )  # fmt: skip
-                torch.cuda.current_stream().synchronize()
-
             try:
-                _run_with_timeout(send, self.transfer_timeout_s, "NCCL broadcast")
+                self._nccl_broadcast(self.groups[urls[0]], full_tensors())
             except Exception as e:  # one group: it fails for everyone
                 return num_bytes, {u: f"{type(e).__name__}: {e}" for u in urls}
             return num_bytes, {}
@@ -586,6 +605,23 @@ class WeightSyncer:
                     errors[u] = f"{type(e).__name__}: {str(e)[:500]}"
                     live.remove(u)
         return num_bytes, errors
+
+    def _nccl_broadcast(self, group, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """vLLM's packed producer over the one communicator, on a thread we stop waiting for (an NCCL
+        broadcast to a dead peer has no timeout of its own)."""
+        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+
+        device = torch.cuda.current_device()
+
+        def send() -> None:
+            torch.cuda.set_device(device)  # a new thread starts on device 0
+            packed_nccl_broadcast_producer(
+                iterator=tensors, group=group, src=0, post_iter_func=lambda item: item[1],
+                buffer_size_bytes=self.bucket_bytes, num_buffers=2,
+            )  # fmt: skip
+            torch.cuda.current_stream().synchronize()
+
+        _run_with_timeout(send, self.transfer_timeout_s, "NCCL broadcast")
 
     def close(self) -> None:
         """Release the groups on both sides; the servers keep serving."""

@@ -238,6 +238,60 @@ def test_sigint_stops_fast_with_a_checkpoint(own_server, tmp_path, delay_s):
     assert T.server_health([url])[url]  # a server we did not start is left running
 
 
+# The trainer with its optimizer update slowed down: after the 2nd update a marker file appears and the
+# step sleeps before train_step returns, so a signal sent then lands inside the optimizer update. Each
+# update appends the weights' checksum (parameters in optimizer order) to a file.
+SLOW_OPTIMIZER = """
+import json, sys, time, torch
+sys.path.insert(0, {repo!r})
+import train_async_grpo as T
+step, updates = torch.optim.AdamW.step, []
+def slow_step(self, *args, **kwargs):
+    out = step(self, *args, **kwargs)
+    params = [p for g in self.param_groups for p in g["params"]]
+    updates.append(sum(float(p.detach().double().abs().sum()) * (k + 1) for k, p in enumerate(params)))
+    open({checksums!r}, "w").write(json.dumps(updates))
+    if len(updates) == 2:
+        open({marker!r}, "w").close()
+        time.sleep(3)
+    return out
+torch.optim.AdamW.step = slow_step
+T.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigint_inside_the_optimizer_update_leaves_a_consistent_checkpoint(own_server, tmp_path):
+    """Ctrl-C is deferred in one process too: the step finishes, the run stops before the next one, and
+    the checkpoint's step, weights and AdamW state all belong to the same step."""
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    marker, checksums = tmp_path / "in-update", tmp_path / "checksums.json"
+    code = SLOW_OPTIMIZER.format(repo=str(REPO), marker=str(marker), checksums=str(checksums))
+    cmd = trainer_cmd(out, 50, "--vllm-url", own_server["server"].url)
+    cmd[1:2] = ["-c", code]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=f)
+    try:
+        wait_for(marker.exists, proc, log, 400, "the 2nd optimizer update")
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert rc == 0 and "interrupted at step" in text, text[-3000:]
+    ckpt = T.latest_checkpoint(out)
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    step = state["step"]
+    assert ckpt.name == f"step_{step:06d}"
+    assert {int(s["step"]) for s in state["optimizer"]["state"].values()} == {step}  # AdamW's own count
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    saved = sum(float(p.detach().double().abs().sum()) * (k + 1) for k, p in enumerate(model.parameters()))
+    assert saved == pytest.approx(json.loads(checksums.read_text())[step - 1], rel=1e-12)
+    assert step == 2  # the interrupted step was finished, not dropped
+
+
 # ---------------------------------------------------------------------------------------------------
 # CASES 1 and 2: the server is killed mid-rollout, the next weight sync meets it dead, it is restarted
 # ---------------------------------------------------------------------------------------------------

@@ -276,3 +276,180 @@ def test_plan_buckets_cuts_identically():
 
 def test_raw_gloo_broadcast_bench():
     assert 0 < weight_sync.bench_raw_gloo_broadcast(1_000_000, repeats=1) < 10
+
+
+# ---------------------------------------------------------------------------------------------------
+# FAILURES THE REAL SERVERS CANNOT PRODUCE ON DEMAND: fake servers (real HTTP) and a fake communicator
+# that refuses a collective over a server not inside /update_weights (a real NCCL broadcast would hang)
+# ---------------------------------------------------------------------------------------------------
+class FakeServer:
+    """Answers vLLM's weight-transfer routes over real HTTP; `fail` = route prefixes answered with 500."""
+
+    def __init__(self, fail: tuple[str, ...] = ()):
+        import http.server
+        import json
+        import threading
+
+        fake = self
+        self.fail, self.calls, self.version, self.init_ports = fail, [], "default", []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *_):
+                pass
+
+            def answer(self, body: dict, code: int = 200) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path == "/get_world_size":
+                    return self.answer({"world_size": 1})
+                if self.path == "/weight_info":
+                    return self.answer({"weight_version": fake.version})
+                self.answer({})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                fake.calls.append(self.path)
+                if self.path.startswith(fake.fail):
+                    return self.answer({"error": "injected"}, 500)
+                if self.path == "/init_weight_transfer_engine":
+                    fake.init_ports.append(body["init_info"]["master_port"])
+                if self.path == "/update_weight_version":
+                    fake.version = body["new_version"]
+                self.answer({})
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def receiving(self) -> bool:
+        """Inside /update_weights of the current sync (posted after the last /start_weight_update)."""
+        starts = [i for i, c in enumerate(self.calls) if c == "/start_weight_update"]
+        return bool(starts) and "/update_weights" in self.calls[starts[-1] :]
+
+    def kill(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class FakeComm:
+    """A communicator over the servers that were asked to join it (their /init_weight_transfer_engine
+    named its port). A broadcast while a member is not receiving fails at once, where NCCL would hang."""
+
+    def __init__(self, port: int, servers: list[FakeServer]):
+        self.port, self.servers, self.broadcasts = port, servers, 0
+
+    def members(self) -> list[FakeServer]:
+        return [s for s in self.servers if s.init_ports and s.init_ports[-1] == self.port]
+
+    def check(self) -> None:
+        deadline = time.monotonic() + 5  # /update_weights is posted on threads, as the broadcast starts
+        while not all(s.receiving() for s in self.members()):
+            assert time.monotonic() < deadline, "a collective over a server outside the sync: NCCL hangs here"
+            time.sleep(0.01)
+        self.broadcasts += 1
+
+    def broadcast(self, buf, src, timeout):  # gloo's interface: returns a work to wait on
+        self.check()
+        return SimpleWork()
+
+
+class SimpleWork:
+    def wait(self) -> None:
+        pass
+
+
+class CountingParam:
+    """Stands in for an FSDP DTensor: counts the `full_tensor()` gathers (collectives on every rank)."""
+
+    gathers = 0
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, self.shape, self.dtype = tensor, tensor.shape, tensor.dtype
+
+    def full_tensor(self) -> torch.Tensor:
+        CountingParam.gathers += 1
+        return self.tensor
+
+
+def fake_syncer(backend: str, servers: list[FakeServer]) -> tuple[WeightSyncer, list[FakeComm]]:
+    syncer = WeightSyncer([s.url for s in servers], backend=backend, http_timeout_s=5, transfer_timeout_s=5)
+    comms: list[FakeComm] = []
+
+    def join(port: int, world_size: int) -> FakeComm:
+        comms.append(FakeComm(port, servers))
+        return comms[-1]
+
+    def nccl_broadcast(group: FakeComm, tensors) -> None:
+        group.check()
+        for _ in tensors:  # the gathers happen as the producer pulls each tensor
+            pass
+
+    syncer._join = join
+    syncer._nccl_broadcast = nccl_broadcast
+    return syncer, comms
+
+
+def counting_params(n: int = 4) -> list[tuple[str, CountingParam]]:
+    CountingParam.gathers = 0
+    return [(f"w{i}", CountingParam(torch.full((3, 2), float(i)))) for i in range(n)]
+
+
+def test_nccl_subset_sync_runs_no_collective_over_servers_left_out():
+    servers = [FakeServer(), FakeServer(), FakeServer()]
+    syncer, comms = fake_syncer("nccl", servers)
+    syncer.init()
+    assert len(comms) == 1 and comms[0].members() == servers
+    syncer.sync(counting_params(), version=1)
+    # heal()'s call: only the first server is out of step, but it shares the one communicator
+    syncer.sync(counting_params(), version=2, urls=[servers[0].url])
+    assert comms[0].broadcasts == 2 and CountingParam.gathers == 4
+    assert [s.version for s in servers] == ["2", "2", "2"]
+
+
+def test_nccl_member_failing_before_the_broadcast_fails_the_sync_without_a_collective():
+    servers = [FakeServer(), FakeServer(fail=("/start_weight_update",))]
+    syncer, comms = fake_syncer("nccl", servers)
+    syncer.init()
+    with pytest.raises(WeightSyncError) as e:
+        syncer.sync(counting_params(), version=1)
+    assert comms[0].broadcasts == 0 and CountingParam.gathers == 4  # no collective, every gather
+    assert "left before the broadcast" in str(e.value)
+    assert "/finish_weight_update" in servers[0].calls  # the healthy one put its old weights back
+    servers[1].fail = ()
+    assert syncer.out_of_step() == [s.url for s in servers]
+    syncer.join(syncer.out_of_step())
+    syncer.sync(counting_params(), version=2)
+    assert comms[-1].broadcasts == 1 and [s.version for s in servers] == ["2", "2"]
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_sync_with_every_target_failed_still_does_every_gather(backend):
+    servers = [FakeServer(fail=("/pause",)), FakeServer(fail=("/start_weight_update",))]
+    syncer, comms = fake_syncer(backend, servers)
+    syncer.init()
+    with pytest.raises(WeightSyncError) as e:
+        syncer.sync(counting_params(5), version=1)
+    assert CountingParam.gathers == 5  # in step with the other FSDP ranks, which gather all 5
+    assert all(c.broadcasts == 0 for c in comms)
+    assert servers[0].url in str(e.value) and servers[1].url in str(e.value)
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_join_keeps_the_healthy_servers_when_one_is_dead(backend):
+    servers = [FakeServer(), FakeServer(), FakeServer()]
+    syncer, comms = fake_syncer(backend, servers)
+    syncer.init()
+    servers[1].kill()
+    with pytest.raises(WeightSyncError) as e:
+        syncer.join([s.url for s in servers])
+    assert servers[1].url in str(e.value) and "did not answer" in str(e.value)
+    healthy = [servers[0].url, servers[2].url]
+    assert sorted(syncer.groups) == sorted(healthy)
+    syncer.sync(counting_params(), version=3)
+    assert [servers[0].version, servers[2].version] == ["3", "3"]
+    assert servers[0].calls[-1] == servers[2].calls[-1] == "/resume"  # served again, not left paused
