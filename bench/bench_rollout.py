@@ -44,7 +44,9 @@ async def bare_loop(
     }  # fmt: skip
     sem = asyncio.Semaphore(concurrency)
     tokens = 0
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+    # Idle pooled connections go before uvicorn's 5 s keep-alive closes them under a request (as VLLMClient)
+    connector = aiohttp.TCPConnector(limit=concurrency, keepalive_timeout=2.0)
+    async with aiohttp.ClientSession(connector=connector) as session:
 
         async def one(i: int):
             nonlocal tokens
