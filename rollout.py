@@ -939,18 +939,20 @@ class AsyncRolloutWorker:
         async with asyncio.TaskGroup() as tg:  # one failure cancels its siblings
             tasks = [tg.create_task(rollout(ctx, ep, prompt_ids)) for ctx, ep in zip(ctxs, episodes)]
         completions = [t.result() for t in tasks]
-        # Rewards may be slow (math-verify) and must not stall other groups' requests.
-        rewards = await asyncio.to_thread(
-            lambda: [
-                float(ep.reward(c.messages, c.tool_calls))
+        # Rewards may be slow (math-verify, bounded by envs.verify.DEADLINE_S each) and must not stall
+        # other groups' requests; in threads, so the verify pool checks them side by side.
+        rewards = await asyncio.gather(
+            *(
+                asyncio.to_thread(lambda ep=ep, c=c: float(ep.reward(c.messages, c.tool_calls)))
                 for ep, c in zip(episodes, completions, strict=True)
-            ]
+            )
         )
         for c, r in zip(completions, rewards, strict=True):
             c.reward = r
         advantages = group_advantages(rewards, scale_by_std=self.scale_rewards).tolist()
         metrics = group_metrics(completions)
         metrics["rollout/group_s"] = time.monotonic() - t0
+        metrics["rollout/reward_timeouts"] = float(sum(getattr(ep, "reward_timeouts", 0) for ep in episodes))
         return RolloutGroup(
             prompt_messages=list(episodes[0].messages),
             prompt_ids=prompt_ids,

@@ -68,6 +68,8 @@ Choices a reader should know before the code (see loss.py for the loss's own dep
     `--micro-batch-tokens` a few thousand.
   - train/mismatch_kl is k3 KL(μ ‖ π_old) over the whole batch; all micro-batches are before the update.
   - Accuracy = share of completions with reward ≥ 1 (the envs give exactly 1.0 for a correct answer).
+  - Answers are checked in a small pool of worker processes (envs/verify.py), `--reward-timeout`
+    seconds each; an overrun is killed, scored wrong and counted (rollout/ and eval/reward_timeouts).
   - Evaluation (`--eval-every`) is greedy (temperature 0) on the held-out split through the same servers
     and the same tool loop, while training rollouts keep running; also at the start (a step-0 line in
     metrics.jsonl with only eval/ keys, before rollouts begin; not on resume) and at the last step.
@@ -119,7 +121,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from envs import ENVS, load_env
+from envs import ENVS, load_env, verify
 from envs.data import load_rows
 from loss import grpo_loss
 from rollout import (
@@ -174,6 +176,8 @@ parser.add_argument("--sandbox-workers", type=int, default=8, help="concurrent t
 parser.add_argument("--unsafe-sandbox", action="store_true",
                     help="run tools even where the sandbox cannot stop network access, reading the trainer's "
                     "environment or signalling it (README: Sandbox)")
+parser.add_argument("--reward-timeout", type=float, default=verify.DEADLINE_S,
+                    help="seconds per answer check; an overrun is killed and scored wrong")
 parser.add_argument("--keep-zero-variance", action="store_true",
                     help="train on groups whose rewards are all equal (default: skip them)")
 # GRPO loss
@@ -226,6 +230,8 @@ def check_args(args: argparse.Namespace) -> None:
             parser.error(f"--{name.replace('_', '-')} must be ≥ 0, got {getattr(args, name)}")
     if args.vllm_gpus is not None and args.vllm_gpus < 1:
         parser.error(f"--vllm-gpus must be ≥ 1, got {args.vllm_gpus}")
+    if args.reward_timeout <= 0:
+        parser.error(f"--reward-timeout must be > 0 seconds, got {args.reward_timeout}")
     if args.temperature <= 0:
         parser.error(
             f"--temperature must be > 0 for training (logprobs divide by it), got {args.temperature}"
@@ -853,7 +859,8 @@ def rollout_metrics(
     }
     # group_metrics has a fixed key set: average the per-group means, add up the counts.
     sums = {"rollout/tool_failures", "rollout/tool_calls", "rollout/generated_tokens",
-            "rollout/generation_s", "rollout/tool_s", "rollout/completions"}  # fmt: skip
+            "rollout/generation_s", "rollout/tool_s", "rollout/completions",
+            "rollout/reward_timeouts"}  # fmt: skip
     for k in groups[0].metrics:
         vals = [g.metrics[k] for g in groups]
         m[k] = sum(vals) if k in sums else max(vals) if k.endswith("_max") else sum(vals) / len(vals)
@@ -1037,7 +1044,9 @@ async def evaluate(
     async def one(row):
         ep = make_episode(row)
         comp = await tool_loop_rollout(ctx, ep, template.prompt_ids(ep.messages))
-        return float(ep.reward(comp.messages, comp.tool_calls)), len(comp.tool_calls)
+        # Off the event loop: a reward check may take up to envs.verify.DEADLINE_S.
+        reward = await asyncio.to_thread(ep.reward, comp.messages, comp.tool_calls)
+        return float(reward), len(comp.tool_calls), getattr(ep, "reward_timeouts", 0)
 
     try:
         results = await asyncio.gather(*(one(r) for r in rows), return_exceptions=True)
@@ -1047,10 +1056,11 @@ async def evaluate(
     if not ok:
         return {"eval/accuracy": float("nan"), "eval/tool_call_rate": float("nan"), "eval/failed": len(rows)}
     return {
-        "eval/accuracy": sum(r >= 1.0 for r, _ in ok) / len(ok),
-        "eval/tool_call_rate": sum(n > 0 for _, n in ok) / len(ok),
-        "eval/tool_calls_per_completion": sum(n for _, n in ok) / len(ok),
+        "eval/accuracy": sum(r >= 1.0 for r, _, _ in ok) / len(ok),
+        "eval/tool_call_rate": sum(n > 0 for _, n, _ in ok) / len(ok),
+        "eval/tool_calls_per_completion": sum(n for _, n, _ in ok) / len(ok),
         "eval/failed": float(len(rows) - len(ok)),
+        "eval/reward_timeouts": float(sum(t for _, _, t in ok)),
     }
 
 
@@ -1124,6 +1134,7 @@ def follow_rank0(model, ref_model, optimizer, scheduler, tokenizer, args, out_di
 
 def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
+    verify.DEADLINE_S = args.reward_timeout
     check_args(args)
     from weight_sync import WeightSyncer, WeightSyncError  # imports vLLM: seconds, so not for --help
 

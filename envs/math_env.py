@@ -7,7 +7,7 @@ Same data and reward as `envs/retool.py` without the interpreter, so "with tool"
 from dataclasses import dataclass, field
 from typing import Any
 
-from math_verify import parse, verify
+from envs import verify
 
 SYSTEM_PROMPT = "Solve the problem. Put the final answer in \\boxed{}."
 WRONG_REWARD = 0.0  # reward for a wrong or missing answer; -1.0 is the DAPO/verl/slime convention
@@ -34,22 +34,19 @@ def last_boxed(text: Any) -> str | None:
     return None
 
 
-def answers_match(predicted: str | None, answer: str) -> bool:
-    """math-verify equivalence (fractions, LaTeX, 1/2 vs 0.5); False on anything it cannot parse."""
+def answer_verdict(predicted: str | None, answer: str) -> bool | None:
+    """math-verify equivalence (fractions, LaTeX, 1/2 vs 0.5); False on anything it cannot parse,
+    None when checking overran `envs.verify.DEADLINE_S` (score it wrong, count it)."""
     if predicted is None or len(predicted) > MAX_ANSWER_CHARS:
         return False
     if predicted.strip() == answer.strip():
         return True  # fast path, and robust when math-verify cannot parse both sides
-    try:
-        # Wrap both in $...$ so math-verify reads them as LaTeX; `verify(gold, pred)` is not symmetric.
-        # Timeouts off: math-verify's use SIGALRM, which fails outside the main thread (and would fire
-        # inside an event loop); MAX_ANSWER_CHARS bounds the work instead.
-        gold = parse(f"${answer}$", parsing_timeout=None)
-        pred = parse(f"${predicted}$", parsing_timeout=None)
-        return bool(gold and pred and verify(gold, pred, timeout_seconds=None))
-    # math-verify/sympy raise many kinds of errors on garbage; garbage is wrong.
-    except Exception:  # noqa: BLE001
-        return False
+    return verify.check(answer, predicted)
+
+
+def answers_match(predicted: str | None, answer: str) -> bool:
+    """`answer_verdict` with a timeout read as wrong."""
+    return answer_verdict(predicted, answer) is True
 
 
 def final_answer(messages: list[dict]) -> str | None:
@@ -66,10 +63,13 @@ class Episode:
     answer: str  # the row's ground truth
     wrong_reward: float = WRONG_REWARD
     tools: list = field(default_factory=list)  # no tools in this env
+    reward_timeouts: int = 0  # answers whose check overran the deadline (scored wrong); for metrics
 
     def reward(self, messages: list[dict], tool_calls: list) -> float:
         """1.0 when the final \\boxed{} answer matches, else `wrong_reward`; never raises."""
-        return 1.0 if answers_match(final_answer(messages), self.answer) else self.wrong_reward
+        verdict = answer_verdict(final_answer(messages), self.answer)
+        self.reward_timeouts += verdict is None
+        return 1.0 if verdict else self.wrong_reward
 
 
 def make_episode(row: dict, wrong_reward: float = WRONG_REWARD) -> Episode:

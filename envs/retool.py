@@ -15,7 +15,7 @@ They use it because small models' tool use otherwise collapses early in RL; try 
 import re
 from dataclasses import dataclass, field
 
-from envs.math_env import WRONG_REWARD, answers_match, final_answer
+from envs.math_env import WRONG_REWARD, answer_verdict, final_answer
 from envs.sandbox import Sandbox, SandboxResult, run_python
 
 SYSTEM_PROMPT = (
@@ -58,6 +58,7 @@ class Episode:
     tool_bonus: float = TOOL_BONUS
     timeout_s: float = TOOL_TIMEOUT_S
     tools: list = field(default_factory=list)
+    reward_timeouts: int = 0  # answers whose check overran the deadline (scored wrong); for metrics
 
     def __post_init__(self):
         self.tools = [self.code_interpreter]
@@ -80,7 +81,9 @@ class Episode:
 
     def reward(self, messages: list[dict], tool_calls: list) -> float:
         """1.0 for a matching final \\boxed{} answer; else wrong_reward plus the capped tool bonus."""
-        if answers_match(final_answer(messages), self.answer):
+        verdict = answer_verdict(final_answer(messages), self.answer)
+        self.reward_timeouts += verdict is None
+        if verdict:
             return 1.0
         n_ok = sum(1 for c in tool_calls if not getattr(c, "failed", True))
         return self.wrong_reward + min(MAX_TOOL_BONUS, self.tool_bonus * n_ok)

@@ -2,18 +2,24 @@
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from transformers.utils import get_json_schema
 
-from envs import load_env
+from envs import load_env, verify
 from envs.data import load_rows
 from envs.math_env import answers_match, last_boxed
 from envs.retool import strip_fence
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 @dataclass
@@ -199,3 +205,116 @@ def test_shipped_data_and_generator(tmp_path):
     subprocess.run([sys.executable, "scripts/make_retool_data.py", "--out-dir", str(tmp_path)], check=True)
     for name in ["retool_train.jsonl", "retool_test.jsonl"]:
         assert (tmp_path / name).read_bytes() == open(f"data/{name}", "rb").read()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rewards never hang: math-verify in worker processes with a hard deadline per answer (envs/verify.py)
+# ---------------------------------------------------------------------------------------------------
+DEADLINE_S = 1.0  # short, so the tests take seconds
+SLACK_S = 2.0  # a killed worker's replacement starts (sympy import) before the next answer
+ADVERSARIAL = [
+    "9^{9^{9^{9}}}",  # power tower: sympy evaluates the big int in C, forever
+    "(10^{10})!",
+    "100000!",
+    "\\sqrt{" * 120 + "2" + "}" * 120,  # deeply nested LaTeX (under MAX_ANSWER_CHARS)
+    "(" * 450 + "1" + ")" * 450,
+    "7" * 1_000_000,  # a megabyte string
+]
+
+
+@pytest.fixture
+def short_deadline(monkeypatch):
+    monkeypatch.setattr(verify, "DEADLINE_S", DEADLINE_S)
+
+
+def verify_children() -> list[int]:
+    """Pids of this process's answer-checking workers."""
+    return children_running(os.getpid(), "verify.py")
+
+
+def children_running(pid: int, needle: str) -> list[int]:
+    kids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids += [int(k) for k in (task / "children").read_text().split()]
+    return [k for k in kids if needle in Path(f"/proc/{k}/cmdline").read_bytes().decode(errors="replace")]
+
+
+def test_adversarial_answers_return_within_the_deadline_and_score_wrong(short_deadline):
+    ep = load_env("math").make_episode({"question": "q", "answer": "5"})
+    batch = [("5.0", 1.0), ("6", 0.0)] + [(a, 0.0) for a in ADVERSARIAL] + [("\\frac{10}{2}", 1.0)]
+    for pred, want in batch:
+        t0 = time.monotonic()
+        got = ep.reward(final(f"\\boxed{{{pred}}}"), [])
+        took = time.monotonic() - t0
+        assert got == want, pred[:30]
+        assert took < DEADLINE_S + SLACK_S, (pred[:30], took)
+    assert ep.reward_timeouts >= 2  # the power tower and (10^10)! at least; the rest fail fast or time out
+
+
+def test_a_worker_killed_mid_answer_is_replaced(short_deadline):
+    assert answers_match("\\frac{1}{2}", "0.5")  # the pool is up
+    out = []
+    t = threading.Thread(target=lambda: out.append(verify.pool().check("5", "9^{9^{9^{9}}}", deadline_s=30)))
+    t.start()
+    time.sleep(0.5)  # the worker is deep in sympy
+    for pid in verify_children():
+        os.kill(pid, signal.SIGKILL)
+    t.join(timeout=5)
+    assert out == [None]  # scored as not answered, well before its 30 s deadline
+    assert answers_match("\\frac{1}{2}", "0.5") and not answers_match("3", "0.5")
+
+
+def test_scoring_from_two_threads_at_once(short_deadline):
+    cases = [("0.5", "\\frac{1}{2}", True), ("2", "\\frac{1}{2}", False), ("9^{9^{9^{9}}}", "1", False)]
+    results: dict[int, list] = {}
+
+    def score(i):
+        results[i] = [answers_match(p, g) for p, g, _ in cases * 2]
+
+    threads = [threading.Thread(target=score, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert results == {i: [ok for _, _, ok in cases * 2] for i in range(2)}
+    # ...and from an event loop, off the loop, as the rollout worker and eval do.
+    ep = load_env("retool").make_episode({"question": "q", "answer": "1/2"})
+    rewards = asyncio.run(asyncio.wait_for(asyncio.to_thread(ep.reward, final("\\boxed{0.5}"), []), 30))
+    assert rewards == 1.0
+
+
+def test_no_timeout_warnings_and_no_orphans_after_sigkill_of_the_parent():
+    # A fresh interpreter so its stderr holds everything the pool's workers print.
+    script = (
+        "import sys, threading; from envs import verify; from envs.math_env import answers_match\n"
+        "print(answers_match('\\\\frac{1}{2}', '0.5'), flush=True)\n"
+        "threading.Thread(target=verify.pool().check, args=('5', '9^{9^{9^{9}}}', 600)).start()\n"
+        "threading.Thread(target=verify.pool().check, args=('5', '(10^{10})!', 600)).start()\n"
+        "print('hanging', flush=True); threading.Event().wait()\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline() == "True\n"
+        assert proc.stdout.readline() == "hanging\n"
+        deadline = time.monotonic() + 60
+        while len(workers := children_running(proc.pid, "verify.py")) < 2:  # both busy in sympy
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        time.sleep(0.5)
+    finally:
+        proc.kill()
+    proc.wait()
+    assert "Timeout is disabled" not in proc.stderr.read()
+    deadline = time.monotonic() + 5
+    while alive := [w for w in workers if Path(f"/proc/{w}").exists() and not is_zombie(w)]:
+        assert time.monotonic() < deadline, f"answer-checking workers {alive} outlived their parent"
+        time.sleep(0.1)
+
+
+def is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True

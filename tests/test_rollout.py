@@ -968,3 +968,33 @@ def test_real_qwen3_thinking_with_parallel_calls_rescores_exactly(warm2_server):
             worst = max(worst, rescore_gap(model, g.prompt_ids, c, sampling)[0])
     print(f"{len(thinking)}/{len(turns)} turns think, {len(parallel)} with parallel calls, |Δ| {worst:.2e}")
     assert worst < 1e-3, f"behaviour logprobs differ from a transformers re-score by {worst}"
+
+
+def test_reward_timeouts_reach_the_group_and_step_metrics(tokenizer, monkeypatch):
+    from envs import verify
+    from train_async_grpo import rollout_metrics
+
+    monkeypatch.setattr(verify, "DEADLINE_S", 1.0)
+    answers = iter(["2", "9^{9^{9^{9}}}", "(10^{10})!", "3"])
+
+    def make_episode(row):  # the answer is already in the prompt; the reward reads the last \boxed{}
+        ep = load_env("math").make_episode(row)
+        ep.messages.append({"role": "assistant", "content": f"\\boxed{{{next(answers)}}}"})
+        return ep
+
+    async def rollout_fn(ctx, ep, prompt_ids):
+        return RolloutCompletion(prompt_len=len(prompt_ids), prompt_messages=list(ep.messages))
+
+    worker = AsyncRolloutWorker(
+        VLLMClient(["http://127.0.0.1:9"], "m"), ChatTemplate(tokenizer), make_episode, iter([]),
+        num_generations=4, groups_per_version=1, rollout_fn=rollout_fn,
+    )  # fmt: skip
+    worker._ctx = None  # the rollout_fn above needs no server
+    row = {"question": "1+1?", "answer": "2", "_index": 0}
+    t0 = time.monotonic()
+    group = asyncio.run(worker._attempt_group(row, 0))
+    assert time.monotonic() - t0 < 10  # two hung answers cost one deadline each, side by side
+    assert group.rewards == [1.0, 0.0, 0.0, 0.0]
+    assert group.metrics["rollout/reward_timeouts"] == 2.0
+    group.staleness = 0  # set by the trainer when it takes the group
+    assert rollout_metrics([group, group], 0, 0)["rollout/reward_timeouts"] == 4.0  # summed per step
