@@ -98,7 +98,7 @@ def _blocked_ancestors(path: str) -> dict[str, set[str]]:
     """Ancestors of `path` that others cannot traverse, each with the child on the way to `path`."""
     blocked: dict[str, set[str]] = {}
     parts = os.path.realpath(path).split(os.sep)[1:]
-    for i in range(len(parts) - 1):
+    for i in range(len(parts)):  # every directory on the way, the path's own parent included
         parent = os.sep + os.sep.join(parts[:i])
         if not os.stat(parent).st_mode & 0o001:
             blocked.setdefault(parent, set()).add(parts[i])
@@ -148,6 +148,11 @@ def _ns_prologue() -> str:
         "set -e",
         'R="$1/root"',
         'mount -t tmpfs -o size=1m,mode=755,nosuid,nodev sandbox-root "$R"',
+        # The private /tmp and /dev/shm first: a Python install under /tmp (a checkout in a temp dir,
+        # as CI makes) is bound inside them below, not hidden under them.
+        'mkdir -p "$R/tmp" "$R/dev/shm"',
+        'mount -t tmpfs -o size=64m,mode=1777,nosuid,nodev sandbox-tmp "$R/tmp"',
+        'mount -t tmpfs -o size=64m,mode=1777,nosuid,nodev sandbox-shm "$R/dev/shm"',
         "mkdir -p " + " ".join(f'"$R"{q(d)}' for d in sorted(set(dirs))),
         "touch " + " ".join(f'"$R"{q(p)}' for p in files + [f"/dev/{d}" for d in DEVICES]),
     ]
@@ -155,8 +160,6 @@ def _ns_prologue() -> str:
     lines += [f'mount -o bind,ro,nosuid,nodev {q(p)} "$R"{q(p)}' for p in binds]
     lines += [f'mount -o bind /dev/{d} "$R/dev/{d}"' for d in DEVICES]
     lines += [
-        'mount -t tmpfs -o size=64m,mode=1777,nosuid,nodev sandbox-tmp "$R/tmp"',
-        'mount -t tmpfs -o size=64m,mode=1777,nosuid,nodev sandbox-shm "$R/dev/shm"',
         f'mount -o bind,nosuid,nodev "$1/run" "$R{RUN_DIR_INSIDE}"',
         'mount -t proc -o nosuid,nodev,noexec proc "$R/proc"',
         'mount -o remount,bind,ro,nosuid,nodev "$R"',

@@ -426,18 +426,23 @@ def test_attacks_mode_a_root_with_cap_sys_admin(listener, monkeypatch):
 
 
 def expose_python_shell() -> str:
-    """Shell (run as root in a private mount namespace) making the Python install reachable by other
-    uids: here it lies below /root (mode 700), where a container would have it in /usr/local."""
+    """Shell (run as root in a private mount namespace) making the Python install and this checkout's
+    test and envs code reachable by other uids: here the install lies below /root (mode 700), where a
+    container would have it in /usr/local, and a checkout may lie in a private temp dir (a CI clone)."""
     from envs.sandbox import _blocked_ancestors
 
-    lines = ["set -e"]
-    for p in (sys.executable, sys.prefix, sys.base_prefix):
+    blocked: dict[str, set[str]] = {}
+    for p in (sys.executable, sys.prefix, sys.base_prefix, os.path.abspath(__file__), f"{REPO}/envs"):
         for parent, children in _blocked_ancestors(p).items():
-            for child in sorted(children):
-                lines.append(f'S=$(mktemp -d); mount --bind "{parent}/{child}" "$S"')
-                lines.append(f'mount -t tmpfs -o mode=755 tmpfs "{parent}"; mkdir "{parent}/{child}"')
-                lines.append(f'mount --move "$S" "{parent}/{child}"')
-                break  # one ancestor blocked per path is what this machine has; enough for the test
+            blocked.setdefault(parent, set()).update(children)
+    lines = ["set -e"]
+    for parent in sorted(blocked, key=len):  # an outer directory first: the inner ones move with it
+        children = sorted(blocked[parent])
+        for i, child in enumerate(children):
+            lines.append(f'S{i}=$(mktemp -d); mount --rbind "{parent}/{child}" "$S{i}"')
+        lines.append(f'mount -t tmpfs -o mode=755 tmpfs "{parent}"')
+        for i, child in enumerate(children):
+            lines.append(f'mkdir "{parent}/{child}"; mount --move "$S{i}" "{parent}/{child}"')
     return "\n".join(lines)
 
 
