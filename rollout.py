@@ -21,7 +21,6 @@ import asyncio
 import inspect
 import json
 import logging
-import os
 import queue
 import random
 import re
@@ -33,6 +32,7 @@ from dataclasses import dataclass, field, replace
 import aiohttp
 from transformers.utils import get_json_schema
 
+from envs.confine import pin_to_rollout_cpus
 from loss import group_advantages
 from records import (
     RolloutCompletion,
@@ -690,34 +690,6 @@ async def tool_loop_rollout(ctx: RolloutContext, episode, prompt_ids: list[int])
 
 
 RolloutFn = Callable[[RolloutContext, object, list[int]], Awaitable[RolloutCompletion]]
-
-
-# ---------------------------------------------------------------------------------------------------
-# CPU PLACEMENT: the rollout side's work stays off the trainer's cores
-# ---------------------------------------------------------------------------------------------------
-ROLLOUT_CPUS_ENV = "ASYNC_GRPO_ROLLOUT_CPUS"  # set by the trainer (--rollout-cpus) for child processes
-
-
-def parse_cpus(spec: str) -> set[int]:
-    """'0', '2-5,7' → {0}, {2, 3, 4, 5, 7} (taskset's list syntax); ValueError on anything else."""
-    cpus: set[int] = set()
-    for part in spec.split(","):
-        lo, _, hi = part.strip().partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    if not cpus or min(cpus) < 0:
-        raise ValueError(spec)
-    return cpus
-
-
-def pin_to_rollout_cpus() -> None:
-    """Move the calling thread (in a fresh child process: the whole process) onto the rollout CPUs named
-    in $ASYNC_GRPO_ROLLOUT_CPUS; nothing when unset. Tool and reward processes started outside the
-    rollout thread (a fork server, a process pool) call this first, e.g. as a pool's `initializer` or a
-    Popen `preexec_fn`, so their work never lands on the trainer's cores. Linux: affinity is per thread
-    and inherited by the threads and processes it starts."""
-    spec = os.environ.get(ROLLOUT_CPUS_ENV)
-    if spec:
-        os.sched_setaffinity(0, parse_cpus(spec))
 
 
 # ---------------------------------------------------------------------------------------------------

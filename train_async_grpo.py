@@ -52,7 +52,7 @@ Choices a reader should know before the code (see loss.py for the loss's own dep
     one no-grad pass before the first: a real trust region (train/clip_*_frac > 0), for one extra
     forward. The denominators are each mini-batch's; train/loss and train/grad_norm are their means.
   - `--rollout-cpus` puts the rollout thread, and the threads and processes it starts, on those CPUs
-    and the trainer on the rest (rollout.pin_to_rollout_cpus), so that generation-side work does not
+    and the trainer on the rest (envs.confine.pin_to_rollout_cpus), so that generation-side work does not
     slow the trainer's step. Python work in the rollout thread still shares the trainer's GIL.
   - Precision: fp32 weights and AdamW state, bf16 forward/backward on GPU (`--compute-dtype`; autocast in
     one process, FSDP2's MixedPrecisionPolicy over fp32 shards); the sync casts to the servers' bf16.
@@ -122,15 +122,14 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from envs import ENVS, load_env, verify
+from envs.confine import ROLLOUT_CPUS_ENV, parse_cpus
 from envs.data import load_rows
 from loss import grpo_loss
 from rollout import (
-    ROLLOUT_CPUS_ENV,
     AsyncRolloutWorker,
     ChatTemplate,
     RolloutContext,
     VLLMClient,
-    parse_cpus,
     tool_loop_rollout,
 )
 from sampling import FidelityError, Sampling, check_fidelity, probe_server, token_logprobs_and_entropy
@@ -1151,7 +1150,7 @@ def main(argv: list[str] | None = None) -> None:
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     if args.rollout_cpus is not None:
-        # The rollout thread and the tool/reward processes go to these CPUs (rollout.pin_to_rollout_cpus),
+        # The rollout thread and the tool/reward processes go to these CPUs (pin_to_rollout_cpus),
         # the trainer and its threads to the rest, so rollouts do not slow the trainer's steps.
         rollout_cpus, allowed = parse_cpus(args.rollout_cpus), os.sched_getaffinity(0)
         try:  # may this process run there at all (a container's cpuset)?

@@ -112,3 +112,30 @@ def confine(readable: list[str], writable: list[str]) -> None:
     if f is None:
         raise OSError(errno.ENOSYS, "no seccomp: libseccomp or pyseccomp missing")
     f.load()
+
+
+# CPU placement: the rollout side's processes stay off the trainer's cores. The trainer (--rollout-cpus)
+# names the CPUs in the environment; the rollout thread pins itself, and every tool or reward process
+# pins itself between fork and exec, whichever thread started it (the eval at start-up runs on the
+# trainer's thread, and a fork server or answer-checking worker it starts serves the whole run).
+ROLLOUT_CPUS_ENV = "ASYNC_GRPO_ROLLOUT_CPUS"
+
+
+def parse_cpus(spec: str) -> set[int]:
+    """'0', '2-5,7' → {0}, {2, 3, 4, 5, 7} (taskset's list syntax); ValueError on anything else."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    if not cpus or min(cpus) < 0:
+        raise ValueError(spec)
+    return cpus
+
+
+def pin_to_rollout_cpus() -> None:
+    """Move the calling thread (in a child between fork and exec: the whole process) onto the CPUs in
+    $ASYNC_GRPO_ROLLOUT_CPUS; nothing when unset. Linux affinity is per thread and inherited by the
+    threads and processes it starts."""
+    spec = os.environ.get(ROLLOUT_CPUS_ENV)
+    if spec:
+        os.sched_setaffinity(0, parse_cpus(spec))

@@ -229,6 +229,7 @@ def _preexec(mode: str, run_dir: str, timeout_s: float, nproc: int, cgroup_procs
     pid namespace with it; otherwise a run sleeping in a syscall (no CPU time) would outlive us.
     In mode "seccomp", confine (seccomp + Landlock) last."""
     confine._libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    confine.pin_to_rollout_cpus()
     if cgroup_procs:
         with open(cgroup_procs, "w") as f:
             f.write(str(os.getpid()))
@@ -604,6 +605,7 @@ class _ForkServer:
 
 def _server_preexec(cgroup_procs: str | None) -> None:
     confine._libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    confine.pin_to_rollout_cpus()
     if cgroup_procs:
         with open(cgroup_procs, "w") as f:
             f.write(str(os.getpid()))

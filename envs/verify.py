@@ -72,9 +72,17 @@ class VerifyPool:
         self.timeouts = 0  # answers that overran the deadline, for logs; per-episode counts are in envs
 
     def _spawn(self) -> _Worker:
+        from envs.confine import pin_to_rollout_cpus  # here: the worker runs this file as a script
+
         cmd = [sys.executable, os.path.abspath(__file__), str(os.getpid())]
         proc = self._spawner.submit(
-            subprocess.Popen, cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+            subprocess.Popen,
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            preexec_fn=pin_to_rollout_cpus,  # whichever thread first checks an answer
         ).result()
         if _readline(proc, START_TIMEOUT_S) != "ready\n":
             proc.kill()

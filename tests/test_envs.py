@@ -15,6 +15,7 @@ import pytest
 from transformers.utils import get_json_schema
 
 from envs import load_env, verify
+from envs.confine import ROLLOUT_CPUS_ENV
 from envs.data import load_rows
 from envs.math_env import answers_match, last_boxed
 from envs.retool import strip_fence
@@ -318,3 +319,19 @@ def is_zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def test_answer_workers_run_on_the_rollout_cpus(monkeypatch):
+    """--rollout-cpus: an answer-checking worker pins itself to the rollout CPUs even when the pool is
+    started from a thread that runs elsewhere (the trainer's, for the eval at start-up)."""
+    allowed = os.sched_getaffinity(0)
+    cpu = max(allowed)
+    monkeypatch.setenv(ROLLOUT_CPUS_ENV, str(cpu))
+    pool = verify.VerifyPool(size=1)
+    assert pool.check("1", "1") is True
+    (pid,) = pool.pids()
+    try:
+        assert os.sched_getaffinity(pid) == {cpu}
+        assert os.sched_getaffinity(0) == allowed
+    finally:
+        os.kill(pid, signal.SIGKILL)

@@ -19,11 +19,11 @@ from tokenizers import AddedToken
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from envs import load_env
+from envs.confine import ROLLOUT_CPUS_ENV, parse_cpus
 from envs.data import load_rows
 from envs.sandbox import Sandbox
 from records import STOP_REASONS, RolloutCompletion, TokenAccountingError, TurnRecord
 from rollout import (
-    ROLLOUT_CPUS_ENV,
     AsyncRolloutWorker,
     ChatTemplate,
     ChatTemplateError,
@@ -31,7 +31,6 @@ from rollout import (
     GenerationError,
     RolloutContext,
     VLLMClient,
-    parse_cpus,
     run_tool,
     tool_loop_rollout,
 )

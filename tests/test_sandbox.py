@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from envs.confine import ROLLOUT_CPUS_ENV
 from envs.sandbox import MAX_OUTPUT_BYTES, UID_RANGE, Sandbox, isolation_mode, run_python
 
 ISOLATED = isolation_mode() in ("root-ns", "user-ns")
@@ -219,6 +220,22 @@ def test_warm_path_starts_every_call_clean():
     assert first.output == "dirty\n" and first.exit_code == 0, first
     assert second.output == "warm\nFalse False 3\nFalse False 1\nTrue\n", second
     sandbox.close()
+
+
+def test_tool_processes_run_on_the_rollout_cpus(monkeypatch):
+    """--rollout-cpus: a sandbox run (cold) and the fork server (warm) pin themselves to the rollout CPUs,
+    whichever thread starts them: here the test's own thread, which may run on every CPU."""
+    allowed = os.sched_getaffinity(0)
+    cpu = max(allowed)
+    monkeypatch.setenv(ROLLOUT_CPUS_ENV, str(cpu))
+    code = "import os; print(sorted(os.sched_getaffinity(0)))"
+    assert run(code).output == f"[{cpu}]\n"
+    sandbox = Sandbox(max_concurrency=1)
+    try:
+        assert asyncio.run(sandbox.run(code, timeout_s=10)).output == f"[{cpu}]\n"
+    finally:
+        sandbox.close()
+    assert os.sched_getaffinity(0) == allowed
 
 
 @needs_ns
