@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 import aiohttp
+from tokenizers import Tokenizer
 from transformers.utils import get_json_schema
 
 from envs.confine import pin_to_rollout_cpus
@@ -101,6 +102,7 @@ class ChatTemplate:
         # Every added token (chat markers, tool tags) by its text: these are the template's own, and the
         # only place they become control ids is where the template writes them.
         added = {a.content: i for i, a in tokenizer.added_tokens_decoder.items()}
+        self._plain = _without_added_tokens(tokenizer.backend_tokenizer)
         self._marker_ids = added
         self._markers = re.compile("(" + "|".join(map(re.escape, sorted(added, key=len, reverse=True))) + ")")
         self._check_call_format()
@@ -125,12 +127,9 @@ class ChatTemplate:
 
     def encode_plain(self, text: str) -> list[int]:
         """`text` as plain text: normalizer, pre-tokenizer and BPE, but no added tokens — a tool that
-        prints `<|im_end|>` gives the model those characters, never the control token."""
-        backend = self.tokenizer.backend_tokenizer
-        if backend.normalizer is not None:
-            text = backend.normalizer.normalize_str(text)
-        pieces = backend.pre_tokenizer.pre_tokenize_str(text) if backend.pre_tokenizer else [(text, None)]
-        return [t.id for piece, _ in pieces for t in backend.model.tokenize(piece)]
+        prints `<|im_end|>` gives the model those characters, never the control token. A batch of one:
+        `encode_batch` runs in Rust without the GIL, which the trainer's thread needs meanwhile."""
+        return self._plain.encode_batch([text], add_special_tokens=False)[0].ids
 
     def _encode_render(self, with_sentinels: str, rendered: str, contents: list[str]) -> list[int]:
         """Ids of `rendered` (a template rendering of messages whose contents are `contents`), where only
@@ -308,6 +307,13 @@ class ChatTemplate:
 
 
 _SENTINEL = "\ue000{}\ue001"  # private-use characters: no template or tokenizer treats them specially
+
+
+def _without_added_tokens(backend: Tokenizer) -> Tokenizer:
+    """A copy of the tokenizer that knows no added tokens, so nothing in a text becomes a control id."""
+    spec = json.loads(backend.to_str())
+    spec.update(added_tokens=[], truncation=None, padding=None)
+    return Tokenizer.from_str(json.dumps(spec))
 
 
 def _with_sentinels(messages: list[dict]) -> tuple[list[dict], list[str]]:
