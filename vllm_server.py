@@ -302,7 +302,7 @@ def main() -> None:
         help="address to listen on; one other hosts can reach for a trainer elsewhere",
     )
     p.add_argument("--port", type=int, default=8000, help="port of the first server")
-    p.add_argument("--num-servers", type=int, default=1, help="data-parallel servers (one per GPU group)")
+    p.add_argument("--num-servers", type=int, default=1, help="data-parallel servers (GPU i: server i)")
     p.add_argument("--max-model-len", type=int, default=2048, help="context length")
     args = p.parse_args()
     servers = []
@@ -310,8 +310,12 @@ def main() -> None:
         for i in range(args.num_servers):
             servers.append(
                 start_vllm_server(
-                    args.model, port=args.port + i, host=args.host, max_model_len=args.max_model_len
-                )
+                    args.model,
+                    port=args.port + i,
+                    host=args.host,
+                    max_model_len=args.max_model_len,
+                    visible_devices=str(i) if torch.cuda.is_available() else None,  # GPU i: server i
+                )  # fmt: skip
             )
             print(f"serving {args.model} at {servers[-1].url} (log {servers[-1].log_path})", flush=True)
         while all(s.alive() for s in servers):
