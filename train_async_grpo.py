@@ -21,6 +21,10 @@ The plan is checked before anything starts and printed in one line; one GPU need
     # the same distributed code on CPU (gloo), as tests/test_train.py runs it
     python -m torch.distributed.run --nproc-per-node 2 train_async_grpo.py --model models/tiny-warm
 
+    # several nodes (scripts/multinode.sbatch): servers on their own nodes (vllm_server.py --host), node i
+    torchrun --nnodes 2 --nproc-per-node 8 --node-rank i --master-addr NODE0 --master-port 29500 \
+        train_async_grpo.py --model Qwen/Qwen2.5-7B-Instruct --vllm-url http://SERVER:8000
+
 Multi-rank (WORLD_SIZE > 1): FSDP2 (`fully_shard` on each decoder layer, then the root; nccl on GPU,
 gloo on CPU). Rank 0 owns the servers, the rollout worker, eval, metrics and writing checkpoints; each
 step it broadcasts the packed sequences (or a stop message, so an error or Ctrl-C on rank 0 ends every

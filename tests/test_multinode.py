@@ -205,6 +205,7 @@ def test_a_server_on_another_host_gets_every_sync(hosts, server_url, one_node_ru
     )  # fmt: skip
     assert probe.returncode == 0, probe.stderr[-3000:]
     seen = json.loads(probe.stdout.strip().splitlines()[-1])
+    print(f"server after the last sync: {seen}")  # pytest -rP shows it
     assert seen["version"] == str(STEPS)
     assert seen["gap"] < 1e-3, seen
 
@@ -234,6 +235,7 @@ def test_b_two_node_torchrun_ends_with_one_nodes_weights(hosts, server_url, one_
     moved = max(
         (one_node[k] - load_file(MODEL / "model.safetensors")[k]).abs().max().item() for k in one_node
     )
+    print(f"2 nodes vs 1: max weight gap {gap:.2e}; the run moved weights by up to {moved:.2e}")
     assert gap < 1e-5 and moved > 1e-4, (gap, moved)
 
 
@@ -255,6 +257,7 @@ def test_c_a_server_that_cannot_reach_the_rendezvous_is_named_with_the_address_i
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     said = r.stdout.strip()
+    print(said)
     assert f"{server_url} was told to dial 127.0.0.1:" in said and "pass --sync-host" in said, (
         r.stdout + r.stderr
     )
