@@ -105,6 +105,21 @@ def token_logprobs_and_entropy(
     return logprobs, entropy
 
 
+def token_logprobs(
+    model, input_ids, position_ids, sampling: Sampling, with_entropy: bool = False, bf16: bool = False
+):
+    """log π(token_j | tokens < j) under the distribution vLLM samples from (temperature, top-k, top-p:
+    above) for every position of a packed row (position 0 gets 0: nothing predicts it). `bf16`:
+    the forward under bf16 autocast (--compute-dtype bf16); the log-softmax is fp32 either way.
+    Returns (logprobs (T,), entropy (T,) or None)."""
+    with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=bf16):
+        logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0]  # (T, V)
+    # (T−1, V): position j−1 predicts token j
+    lp, entropy = token_logprobs_and_entropy(logits[:-1], input_ids[0, 1:], sampling, with_entropy)
+    zero = lp.new_zeros(1)
+    return torch.cat([zero, lp]), (torch.cat([zero, entropy]) if with_entropy else None)
+
+
 # ---------------------------------------------------------------------------------------------------
 # START-UP PROBE: every server samples a few short completions, the trainer re-scores them
 # ---------------------------------------------------------------------------------------------------
@@ -203,3 +218,15 @@ def check_fidelity(
         "fidelity/mismatch_kl": kl,
         "fidelity/bare_max_abs_diff": bare_max_diff,
     }
+
+
+@torch.no_grad()
+def rescore(model, samples: list, device, bf16: bool) -> list[list[float]]:
+    """The trainer's logprobs of each probe sample's completion, with the function training uses."""
+    out = []
+    for s in samples:
+        ids = torch.tensor([s.prompt_ids + s.completion_ids], device=device)
+        positions = torch.arange(ids.shape[1], device=device)[None]
+        lp, _ = token_logprobs(model, ids, positions, s.sampling, bf16=bf16)
+        out.append(lp[len(s.prompt_ids) :].tolist())
+    return out

@@ -19,10 +19,11 @@ from test_weight_sync import max_diff, weight_version  # what weight sync is tes
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import train_async_grpo as T
+from checkpoint import latest_checkpoint
 from envs import load_env
 from envs.data import load_rows
 from rollout import AsyncRolloutWorker, ChatTemplate, VLLMClient
-from vllm_server import free_port, group_pids, start_vllm_server
+from vllm_server import free_port, group_pids, healthy, start_vllm_server
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = REPO / "models" / "tiny-warm"
@@ -235,7 +236,7 @@ def test_sigint_stops_fast_with_a_checkpoint(own_server, tmp_path, delay_s):
     assert rc == 0 and "interrupted at step" in text, text[-3000:]
     step = max(steps_logged(out))
     assert (out / "checkpoints" / f"step_{step:06d}" / "trainer_state.pt").exists(), text[-3000:]
-    assert T.server_health([url])[url]  # a server we did not start is left running
+    assert healthy(url)  # a server we did not start is left running
 
 
 # The trainer with its optimizer update slowed down: after the 2nd update a marker file appears and the
@@ -281,7 +282,7 @@ def test_sigint_inside_the_optimizer_update_leaves_a_consistent_checkpoint(own_s
             proc.kill()
     text = log.read_text()
     assert rc == 0 and "interrupted at step" in text, text[-3000:]
-    ckpt = T.latest_checkpoint(out)
+    ckpt = latest_checkpoint(out)
     state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
     step = state["step"]
     assert ckpt.name == f"step_{step:06d}"

@@ -18,10 +18,13 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import train_async_grpo as T
+from checkpoint import param_checksum
+from distributed import describe_plan, init_distributed, plan_devices, shard_model
 from envs.sandbox import isolation_mode
+from metrics import rollout_metrics
 from records import RolloutCompletion, RolloutGroup, TurnRecord, group_metrics
 from rollout import ClientStats, WorkerStats
-from sampling import Sampling
+from sampling import Sampling, token_logprobs
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -46,13 +49,13 @@ def test_packed_logprobs_equal_per_sequence_logprobs(tiny_model):
     mb = T.collate(seqs, "cpu")
     assert mb["position_ids"][0].tolist() == [*range(14), *range(7), *range(19)]
     with torch.no_grad():
-        packed, entropy = T.token_logprobs(
+        packed, entropy = token_logprobs(
             model, mb["input_ids"], mb["position_ids"], Sampling(0.7), with_entropy=True
         )
         alone = []
         for s in seqs:
             ids = torch.tensor(s["ids"])[None]
-            lp, _ = T.token_logprobs(model, ids, torch.arange(ids.shape[1])[None], Sampling(0.7))
+            lp, _ = token_logprobs(model, ids, torch.arange(ids.shape[1])[None], Sampling(0.7))
             # Reference without our helper: plain forward, no position_ids, log_softmax at temperature.
             logits = model(ids).logits[0, :-1] / 0.7
             ref = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
@@ -148,7 +151,7 @@ def test_late_groups_are_trained_and_their_token_lags_counted_in_versions():
         _fake_worker(True, [late, fresh]), 2, 3, _args(), [], {"stop": False}
     )
     assert kept == [late, fresh] and dropped == 0
-    m = T.rollout_metrics(kept, dropped, 0, taken, version=3)
+    m = rollout_metrics(kept, dropped, 0, taken, version=3)
     assert m["rollout/token_lag_max"] == 3 and m["rollout/token_lag_3"] == 80 / 88
     assert m["rollout/token_lag_0"] == 8 / 88 and m["rollout/token_lag_4plus"] == 0
     assert m["rollout/token_lag_mean"] == pytest.approx(240 / 88)
@@ -157,7 +160,7 @@ def test_late_groups_are_trained_and_their_token_lags_counted_in_versions():
     worker = _fake_worker(True, [late, fresh, fresh])
     kept, taken, dropped, _, _ = T.collect_groups(worker, 2, 3, _args(drop_stale=True), [], {"stop": False})
     assert kept == [fresh, fresh] and dropped == 1
-    m = T.rollout_metrics(kept, dropped, 0, taken, version=3)
+    m = rollout_metrics(kept, dropped, 0, taken, version=3)
     assert m["rollout/dropped_stale"] == 1 and m["rollout/token_lag_max"] == 0
     assert m["rollout/admitted_len_mean"] == (80 + 16) / 6
     assert m["rollout/trained_vs_admitted_len"] == pytest.approx(4 / 16)
@@ -220,7 +223,7 @@ def _cmd(out: Path, max_steps: int, *extra: str) -> list[str]:
 
 
 def _checksum(ckpt: Path) -> float:
-    return T.param_checksum(load_file(ckpt / "model.safetensors").items())
+    return param_checksum(load_file(ckpt / "model.safetensors").items())
 
 
 @pytest.mark.slow
@@ -316,7 +319,7 @@ def _one_sgd_step(
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if world_size > 1:
-        T.shard_model(model, compute_dtype)
+        shard_model(model, compute_dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     args = _step_args()
@@ -339,7 +342,7 @@ def _fsdp_rank(rank: int, world_size: int, port: int, model_dir: Path, seqs: lis
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))  # fmt: skip
-    assert T.init_distributed(0, 120)[:2] == (rank, world_size)
+    assert init_distributed(0, 120)[:2] == (rank, world_size)
     results = {
         (norm, n): _one_sgd_step(model_dir, seqs, rank, world_size, norm, n)
         for norm in ("token", "sequence")
@@ -371,7 +374,7 @@ def _reference_steps(model_dir: Path, seqs: list[dict], n_mini: int, loss_norm: 
 
     def logprobs(s):
         ids = torch.tensor(s["ids"])[None]
-        return T.token_logprobs(model, ids, torch.arange(ids.shape[1])[None], sampling)[0]
+        return token_logprobs(model, ids, torch.arange(ids.shape[1])[None], sampling)[0]
 
     with torch.no_grad():
         old = [logprobs(s) for s in seqs]
@@ -471,7 +474,7 @@ def test_two_fsdp_ranks_take_the_one_process_step(tmp_path, tiny_model):
     with torch.no_grad():
         for k, lp in traced.items():
             ids = torch.tensor(seqs[k]["ids"])[None]
-            alone, _ = T.token_logprobs(
+            alone, _ = token_logprobs(
                 model, ids, torch.arange(ids.shape[1])[None], T.sampling_of(_step_args())
             )
             torch.testing.assert_close(torch.tensor(lp)[1:], alone[1:], atol=1e-5, rtol=1e-5)
@@ -532,8 +535,8 @@ def test_bf16_compute_logprobs_match_fp32(tiny_model):
     gen = torch.Generator().manual_seed(0)
     mb = T.collate([_seq(5, 9, gen), _seq(3, 4, gen), _seq(7, 12, gen)], "cpu")
     with torch.no_grad():
-        fp32, _ = T.token_logprobs(model, mb["input_ids"], mb["position_ids"], Sampling(0.8))
-        bf16, _ = T.token_logprobs(model, mb["input_ids"], mb["position_ids"], Sampling(0.8), bf16=True)
+        fp32, _ = token_logprobs(model, mb["input_ids"], mb["position_ids"], Sampling(0.8))
+        bf16, _ = token_logprobs(model, mb["input_ids"], mb["position_ids"], Sampling(0.8), bf16=True)
     assert bf16.dtype == torch.float32 and not torch.equal(bf16, fp32)  # bf16 matmuls did run
     torch.testing.assert_close(bf16, fp32, atol=0.02, rtol=0)
 
@@ -587,7 +590,7 @@ def test_two_ranks_under_torchrun(tmp_path):
     ],
 )
 def test_device_plan_fits(num_gpus, ranks, vllm_gpus, tp, servers, rank_devices):
-    assert T.plan_devices(num_gpus, ranks, vllm_gpus, tp, launch_servers=True) == (servers, rank_devices)
+    assert plan_devices(num_gpus, ranks, vllm_gpus, tp, launch_servers=True) == (servers, rank_devices)
 
 
 @pytest.mark.parametrize(
@@ -616,16 +619,16 @@ def test_device_plan_fits(num_gpus, ranks, vllm_gpus, tp, servers, rank_devices)
 )
 def test_device_plan_that_does_not_fit_says_what_would(num_gpus, ranks, vllm_gpus, tp, says):
     with pytest.raises(ValueError) as e:
-        T.plan_devices(num_gpus, ranks, vllm_gpus, tp, launch_servers=True)
+        plan_devices(num_gpus, ranks, vllm_gpus, tp, launch_servers=True)
     assert says in str(e.value) and "\n" not in str(e.value)
 
 
 def test_device_plan_with_servers_given_by_url():
-    assert T.plan_devices(1, 1, None, 1, launch_servers=False) == ([], ["cuda:0"])
-    assert T.plan_devices(8, 8, None, 1, launch_servers=False) == ([], [f"cuda:{g}" for g in range(8)])
+    assert plan_devices(1, 1, None, 1, launch_servers=False) == ([], ["cuda:0"])
+    assert plan_devices(8, 8, None, 1, launch_servers=False) == ([], [f"cuda:{g}" for g in range(8)])
     with pytest.raises(ValueError, match="use --nproc-per-node ≤ 2"):
-        T.plan_devices(2, 4, None, 1, launch_servers=False)
-    line = T.describe_plan(8, ["0", "1"], ["cuda:2", "cuda:3"])
+        plan_devices(2, 4, None, 1, launch_servers=False)
+    line = describe_plan(8, ["0", "1"], ["cuda:2", "cuda:3"])
     assert line == (
         "device plan (8 GPU(s) visible): vLLM servers on GPU 0 | 1; trainer rank 0 → cuda:2, rank 1 → cuda:3"
     )
