@@ -95,6 +95,23 @@ def init_distributed(first_gpu: int, timeout_s: float) -> tuple[int, int, torch.
     return rank, world_size, device
 
 
+def place_ranks(
+    vllm_gpus: int | None, vllm_tp: int, launch_servers: bool, compute_dtype: str, collective_timeout_s: float
+) -> tuple[list[str], int, int, torch.device]:
+    """(CUDA_VISIBLE_DEVICES of each server to launch, rank, world_size, device): plan_devices for this
+    box, then init_distributed; rank 0 prints the plan in one line. A plan that does not fit raises
+    ValueError (plan_devices) before anything starts."""
+    on_gpu = torch.cuda.is_available()
+    num_gpus = torch.cuda.device_count() if on_gpu else 0
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+    server_gpus, rank_devices = plan_devices(num_gpus, ranks, vllm_gpus, vllm_tp, launch_servers)
+    first_gpu = int(rank_devices[0].removeprefix("cuda:")) if on_gpu else 0
+    rank, world_size, device = init_distributed(first_gpu, collective_timeout_s)
+    if rank == 0:
+        print(describe_plan(num_gpus, server_gpus, rank_devices) + f"; compute {compute_dtype}", flush=True)
+    return server_gpus, rank, world_size, device
+
+
 def shard_model(model, compute_dtype: str = "fp32") -> None:
     """FSDP2: each decoder layer is a unit (its weights gathered for its forward, freed after), the
     root holds the rest (embeddings, final norm, lm_head). Parameter names are unchanged, and each

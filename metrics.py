@@ -3,6 +3,7 @@ perf/ and eval/), the experiment tracker that mirrors them (none, tensorboard, w
 when asked and installed), and the completions.jsonl rows that scripts/view_rollouts.py shows.
 """
 
+import json
 import math
 import sys
 from collections import Counter
@@ -11,18 +12,9 @@ from pathlib import Path
 import torch
 
 
-def keep_traced(traced: dict[int, list[float]], mb_seqs: list[dict], logprobs: torch.Tensor) -> None:
-    """For the rollout viewer: the logprobs of this micro-batch's sequences that carry a "trace" key
-    (its value is the key in `traced`), over all their tokens, detached. A filler micro-batch copies
-    a real one, so it writes the same values again."""
-    offset = 0
-    for s in mb_seqs:
-        n = len(s["ids"])
-        if "trace" in s:
-            traced[s["trace"]] = logprobs[offset : offset + n].detach().float().cpu().tolist()
-        offset += n
-
-
+# ---------------------------------------------------------------------------------------------------
+# TRACKERS: a do-nothing one unless --report-to names one that is installed
+# ---------------------------------------------------------------------------------------------------
 class NoTracker:
     def log(self, metrics: dict, step: int) -> None:
         pass
@@ -71,6 +63,9 @@ def make_tracker(report_to: str, out_dir: Path, config: dict):
         return NoTracker()
 
 
+# ---------------------------------------------------------------------------------------------------
+# A STEP'S LINE IN metrics.jsonl: its rollout/ and perf/ keys (train/ from train_step, sync/ from the sync)
+# ---------------------------------------------------------------------------------------------------
 LAG_BUCKETS = 4  # token-lag histogram: rollout/token_lag_0 .. _3, then rollout/token_lag_4plus
 
 
@@ -129,6 +124,28 @@ def rollout_metrics(
     return m
 
 
+def perf_metrics(
+    worker, request_s: float, step_s: float, wait_s: float, train_s: float, seqs, generated_tokens: float
+) -> dict[str, float]:
+    """The perf/ metrics of one step; `request_s`: the seconds the worker's requests spent in flight
+    during it (their sum over requests)."""
+    return {
+        "perf/requests_in_flight": request_s / step_s,
+        "perf/step_s": step_s,
+        "perf/wait_s": wait_s,
+        "perf/idle_frac": wait_s / step_s,
+        "perf/train_s": train_s,
+        "perf/gen_tok_s": generated_tokens / step_s,
+        "perf/train_tok_s": sum(len(s["ids"]) for s in seqs) / train_s,
+        "perf/groups_failed": float(worker.stats.groups_failed),
+        "perf/groups_retried": float(worker.stats.groups_retried),
+        "perf/servers_down": float(len(worker.client.down)),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# ROLLOUT VIEWER: the completions.jsonl rows
+# ---------------------------------------------------------------------------------------------------
 # A completions.jsonl row holds at most this many completion tokens (token arrays and "text"; the rest
 # is counted in "tokens_dropped"), tool results of at most 1000 characters and prompt messages of at most
 # 2000: with ≈ 50 bytes of JSON per token a row stays under ~250 KB.
@@ -148,6 +165,29 @@ def logged_completions(groups) -> list[tuple[int, int, int]]:
                 chosen.append((gi, ci, first_seq + ci))
         first_seq += len(g.completions)
     return chosen
+
+
+def keep_traced(traced: dict[int, list[float]], mb_seqs: list[dict], logprobs: torch.Tensor) -> None:
+    """For the rollout viewer: the logprobs of this micro-batch's sequences that carry a "trace" key
+    (its value is the key in `traced`), over all their tokens, detached. A filler micro-batch copies
+    a real one, so it writes the same values again."""
+    offset = 0
+    for s in mb_seqs:
+        n = len(s["ids"])
+        if "trace" in s:
+            traced[s["trace"]] = logprobs[offset : offset + n].detach().float().cpu().tolist()
+        offset += n
+
+
+def write_completions(
+    completions_file, groups, logged, traced: dict, step: int, tokenizer, is_cap: float
+) -> None:
+    """The rows of the completions `logged` this step (logged_completions), with the trainer's logprobs
+    of each (`traced`, keyed by sequence index)."""
+    for gi, ci, i in logged:
+        row = trajectory_record(groups[gi], ci, step, tokenizer, traced.get(i), is_cap)
+        completions_file.write(json.dumps(row) + "\n")
+    completions_file.flush()
 
 
 def token_pieces(tokenizer, ids: list[int]) -> list[str]:

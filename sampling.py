@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from distributed import broadcast_message
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -230,3 +232,26 @@ def rescore(model, samples: list, device, bf16: bool) -> list[list[float]]:
         lp, _ = token_logprobs(model, ids, positions, s.sampling, bf16=bf16)
         out.append(lp[len(s.prompt_ids) :].tolist())
     return out
+
+
+def probe_fidelity(
+    urls: list[str], model_name: str, model, prompts: list[list[int]], sampling: Sampling, seed: int,
+    bf16: bool, world_size: int, device,
+) -> dict[str, float]:  # fmt: skip
+    """Before the first step every server samples a few short completions with the run's settings, and
+    the trainer re-scores them; FidelityError (naming the server, the gap and the likely causes) when they
+    disagree. Under FSDP every rank joins the re-scoring forwards (rank 0 broadcasts the samples; the
+    others answer in train_async_grpo.follow_rank0). `bf16`: either side computes in bf16."""
+    worst: dict[str, float] = {}
+    for url in urls:
+        run, bare = asyncio.run(probe_server(url, model_name, prompts, sampling, seed))
+        broadcast_message({"rescore": run + bare}, world_size)
+        scored = rescore(model, run + bare, device, bf16)
+        gaps = check_fidelity(url, (run, scored[: len(run)]), (bare, scored[len(run) :]), bf16)
+        worst = {k: max(v, worst.get(k, 0.0)) for k, v in gaps.items()}
+    print(
+        f"fidelity probe: {len(urls)} server(s) sample what the trainer scores (max |Δ logprob| "
+        f"{worst['fidelity/max_abs_diff']:.2g}, mismatch KL {worst['fidelity/mismatch_kl']:.2g})",
+        flush=True,
+    )
+    return worst

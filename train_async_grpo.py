@@ -111,13 +111,12 @@ import torch.distributed as dist
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from batches import BatchTimeout, batch_sequences, collate, collect_groups, pack, row_stream
 from checkpoint import latest_checkpoint, load_checkpoint, param_checksum, save_checkpoint
 from distributed import (
     broadcast_message,
-    describe_plan,
     gather_traced,
-    init_distributed,
-    plan_devices,
+    place_ranks,
     rank_micro_batches,
     reduce_over_ranks,
     shard_model,
@@ -131,8 +130,9 @@ from metrics import (
     keep_traced,
     logged_completions,
     make_tracker,
+    perf_metrics,
     rollout_metrics,
-    trajectory_record,
+    write_completions,
 )
 from rollout import (
     ROLLOUT_CPUS_ENV,
@@ -141,8 +141,8 @@ from rollout import (
     VLLMClient,
     parse_cpus,
 )
-from sampling import FidelityError, Sampling, check_fidelity, probe_server, rescore, token_logprobs
-from vllm_server import healthy, relaunch_exited, served_model_name, write_servers_file
+from sampling import FidelityError, Sampling, probe_fidelity, rescore, token_logprobs
+from vllm_server import relaunch_exited, served_model_name, write_servers_file
 
 # fmt: off
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -286,183 +286,6 @@ def sampling_of(args: argparse.Namespace) -> Sampling:
 
 
 # ---------------------------------------------------------------------------------------------------
-# DATA: an endless shuffled stream of rows that can start anywhere
-# ---------------------------------------------------------------------------------------------------
-def row_stream(rows: list[dict], seed: int, start: int = 0):
-    """Row i of the stream is rows[perm_e[i % N]] with e = i // N and perm_e a seeded permutation per
-    epoch. Each row carries `_index` = its stream position (the checkpoint's dataset position)."""
-    n, i = len(rows), start
-    while True:
-        epoch = i // n
-        perm = list(range(n))
-        random.Random(seed * 1_000_003 + epoch).shuffle(perm)
-        for j in range(i % n, n):
-            yield {**rows[perm[j]], "_index": epoch * n + j}
-        i = (epoch + 1) * n
-
-
-# ---------------------------------------------------------------------------------------------------
-# BATCHES: wait for groups, drop stale ones, skip zero-variance ones, explain a timeout
-# ---------------------------------------------------------------------------------------------------
-class BatchTimeout(RuntimeError):
-    pass
-
-
-def explain_batch_timeout(
-    waited_s: float, have: int, need: int, worker_alive: bool, rows_exhausted: bool, stats, client_stats,
-    health: dict[str, bool], dropped_stale: int, skipped_equal: int, out_of_routing: set[str],
-) -> str:  # fmt: skip
-    """Why no batch came: the likeliest cause first, then every counter that bears on it."""
-    reasons = []
-    down = [u for u, ok in health.items() if not ok]
-    if not worker_alive:
-        reasons.append("the rollout worker thread died (see its traceback in the log above)")
-    if down:
-        reasons.append(f"vLLM server(s) not healthy: {', '.join(down)}")
-    if out_of_routing - set(down):
-        reasons.append(
-            f"vLLM server(s) answer but are out of routing: {', '.join(sorted(out_of_routing - set(down)))} "
-            "(not holding the trainer's weights; the lines above say why the re-sync failed)"
-        )
-    if rows_exhausted:
-        reasons.append("the dataset rows are exhausted")
-    if stats.groups_failed and stats.groups_failed >= stats.groups_done:
-        reasons.append(f"most groups failed ({stats.groups_failed}); last error: {stats.last_error}")
-    if skipped_equal and skipped_equal >= dropped_stale and skipped_equal > have:
-        reasons.append(
-            f"all rewards equal in {skipped_equal} groups (skipped as zero-variance: the task may be too "
-            "hard or too easy for this model; --keep-zero-variance trains on them anyway)"
-        )
-    if dropped_stale and dropped_stale > have:
-        reasons.append(
-            f"{dropped_stale} groups dropped as stale (raise --max-staleness, or leave out --drop-stale)"
-        )
-    if not reasons:
-        reasons.append("generation is slower than the timeout allows (raise --batch-timeout)")
-    return (
-        f"no batch after {waited_s:.0f} s ({have}/{need} groups): " + "; ".join(reasons) + ". Counters: "
-        f"groups started {stats.groups_started}, done {stats.groups_done}, retried {stats.groups_retried}, "
-        f"failed {stats.groups_failed}, discarded {stats.groups_discarded}; dropped stale {dropped_stale}, "
-        f"skipped equal-reward {skipped_equal}; requests {client_stats.requests}, "
-        f"retries {client_stats.retries}; servers {health}"
-    )
-
-
-def collect_groups(
-    worker,
-    num_groups: int,
-    version: int,
-    args,
-    urls: list[str],
-    stop_flag,
-    heal=None,
-    heal_every_s: float = 5.0,
-) -> tuple:
-    """Take groups off the queue until `num_groups` usable ones are in hand; while waiting, call `heal`
-    every `heal_every_s` (a server that went away may be back).
-
-    Returns (groups, taken, dropped_stale, skipped_equal, wait_s); `taken` is every group removed from
-    the queue (for the dataset position). Staleness = trainer version − version the group was admitted
-    at; a group above --max-staleness is trained (IS-corrected) unless --drop-stale."""
-    groups, taken, dropped, skipped = [], [], 0, 0
-    t0 = time.monotonic()
-    deadline, next_heal = t0 + args.batch_timeout, t0 + heal_every_s
-    while len(groups) < num_groups:
-        if stop_flag["stop"]:
-            raise KeyboardInterrupt
-        if heal is not None and time.monotonic() > next_heal:
-            heal()
-            next_heal = time.monotonic() + heal_every_s
-        try:
-            group = worker.queue.get(timeout=0.5)
-        except Exception:  # queue.Empty
-            if time.monotonic() > deadline or not worker.alive:
-                health = {u: healthy(u) for u in urls}
-                raise BatchTimeout(
-                    explain_batch_timeout(
-                        time.monotonic() - t0,
-                        len(groups),
-                        num_groups,
-                        worker.alive,
-                        worker.exhausted,
-                        worker.stats,
-                        worker.client.stats,
-                        health,
-                        dropped,
-                        skipped,
-                        worker.client.down,
-                    )  # fmt: skip
-                ) from None
-            continue
-        taken.append(group)
-        staleness = version - group.admitted_version
-        if args.drop_stale and staleness > args.max_staleness:
-            dropped += 1
-            worker.discard(1)
-        elif not args.keep_zero_variance and max(group.rewards) == min(group.rewards):
-            skipped += 1
-            worker.discard(1)
-        else:
-            group.staleness = staleness
-            groups.append(group)
-    return groups, taken, dropped, skipped, time.monotonic() - t0
-
-
-# ---------------------------------------------------------------------------------------------------
-# PACKING: sequences → micro-batches of one padding-free row each
-# ---------------------------------------------------------------------------------------------------
-def batch_sequences(groups) -> list[dict]:
-    """One dict per completion with per-token arrays over prompt + completion (mask 0 on the prompt)."""
-    seqs = []
-    for g in groups:
-        for c, adv in zip(g.completions, g.advantages):
-            n_p = len(g.prompt_ids)
-            seqs.append({
-                "ids": g.prompt_ids + c.completion_ids,
-                "mask": [0] * n_p + c.loss_mask,
-                "behaviour": [0.0] * n_p + c.behaviour_logprobs,
-                "advantage": float(adv),
-            })  # fmt: skip
-    return seqs
-
-
-def pack(seqs: list[dict], budget: int) -> list[list[int]]:
-    """First-fit decreasing: indices of sequences per micro-batch, each ≤ `budget` tokens (a longer
-    sequence goes alone)."""
-    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]["ids"]))
-    bins: list[list[int]] = []
-    sizes: list[int] = []
-    for i in order:
-        n = len(seqs[i]["ids"])
-        for b, size in enumerate(sizes):
-            if size + n <= budget:
-                bins[b].append(i)
-                sizes[b] += n
-                break
-        else:
-            bins.append([i])
-            sizes.append(n)
-    return bins
-
-
-def collate(seqs: list[dict], device) -> dict[str, torch.Tensor]:
-    """One packed row. Per-token arrays are aligned with `input_ids`; position j's logprob is predicted
-    at j − 1, and the first token of every sequence is a prompt token (mask 0), so the shift never
-    trains across a sequence boundary."""
-    cat = lambda key, dtype: torch.tensor([x for s in seqs for x in s[key]], dtype=dtype, device=device)  # noqa: E731
-    return {
-        "input_ids": cat("ids", torch.long)[None],  # (1, T)
-        "position_ids": torch.cat([torch.arange(len(s["ids"])) for s in seqs]).to(device)[None],  # (1, T)
-        "loss_mask": cat("mask", torch.float32),  # (T,)
-        "behaviour": cat("behaviour", torch.float32),  # (T,)
-        "advantages": torch.tensor(
-            [s["advantage"] for s in seqs for _ in s["ids"]], dtype=torch.float32, device=device
-        ),  # (T,)
-        "seq_index": torch.tensor([k for k, s in enumerate(seqs) for _ in s["ids"]], device=device),  # (T,)
-    }
-
-
-# ---------------------------------------------------------------------------------------------------
 # TRAIN STEP: every rank holds the whole batch and trains on its share of the micro-batches
 # ---------------------------------------------------------------------------------------------------
 def train_step(
@@ -571,26 +394,6 @@ def lr_lambda(step: int, warmup: int, total: int, schedule: str) -> float:
     return 1.0
 
 
-def probe_fidelity(urls, model_name, model, prompts, args, world_size, device) -> dict[str, float]:
-    """Before the first step every server samples a few short completions with the run's settings, and
-    the trainer re-scores them; FidelityError (naming the server, the gap and the likely causes) when they
-    disagree. Under FSDP every rank joins the re-scoring forwards."""
-    bf16 = args.compute_dtype == "bf16"  # and the servers then run bf16 too: a looser, KL bound
-    worst: dict[str, float] = {}
-    for url in urls:
-        run, bare = asyncio.run(probe_server(url, model_name, prompts, sampling_of(args), args.seed))
-        broadcast_message({"rescore": run + bare}, world_size)
-        scored = rescore(model, run + bare, device, bf16)
-        gaps = check_fidelity(url, (run, scored[: len(run)]), (bare, scored[len(run) :]), bf16)
-        worst = {k: max(v, worst.get(k, 0.0)) for k, v in gaps.items()}
-    print(
-        f"fidelity probe: {len(urls)} server(s) sample what the trainer scores (max |Δ logprob| "
-        f"{worst['fidelity/max_abs_diff']:.2g}, mismatch KL {worst['fidelity/mismatch_kl']:.2g})",
-        flush=True,
-    )
-    return worst
-
-
 def sync_weights(syncer, model, version: int, world_size: int = 1, urls: list[str] | None = None) -> dict:
     """Push the trainer's weights into every joined server (or those of `urls`), tagged with `version`
     (the one call site). Rank 0 first tells the other ranks to join the gathers of the FSDP shards."""
@@ -625,6 +428,16 @@ def follow_rank0(model, ref_model, optimizer, scheduler, tokenizer, args, out_di
 # ---------------------------------------------------------------------------------------------------
 # SET-UP STEPS: each reads the arguments it names and returns what the run holds
 # ---------------------------------------------------------------------------------------------------
+def checkpoint_to_resume(resume: str | None, out_dir: Path) -> Path | None:
+    """--resume: the checkpoint it names, or (no value) the latest in --output-dir; None without it."""
+    if resume is None:
+        return None
+    ckpt = latest_checkpoint(out_dir) if resume == "latest" else Path(resume)
+    if ckpt is None:
+        parser.error(f"--resume: no checkpoint in {out_dir / 'checkpoints'}")
+    return ckpt
+
+
 def pin_rollout_cpus(args: argparse.Namespace) -> None:
     """--rollout-cpus: the rollout thread and the tool/reward processes go to these CPUs
     (rollout.pin_to_rollout_cpus), the trainer and its threads to the rest, so rollouts do not slow the
@@ -638,27 +451,6 @@ def pin_rollout_cpus(args: argparse.Namespace) -> None:
         parser.error(f"--rollout-cpus {args.rollout_cpus}: cannot run there ({e})")
     os.sched_setaffinity(0, allowed - rollout_cpus or allowed)
     os.environ[ROLLOUT_CPUS_ENV] = args.rollout_cpus
-
-
-def place_ranks(args: argparse.Namespace) -> tuple[list[str], int, int, torch.device]:
-    """(CUDA_VISIBLE_DEVICES of each server to launch, rank, world_size, device). The plan is checked
-    before anything starts: launched servers take GPUs 0..K−1, trainer rank r GPU K + r."""
-    on_gpu = torch.cuda.is_available()
-    num_gpus = torch.cuda.device_count() if on_gpu else 0
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
-    try:
-        server_gpus, rank_devices = plan_devices(
-            num_gpus, ranks, args.vllm_gpus, args.vllm_tp, not args.vllm_url
-        )
-    except ValueError as e:
-        parser.error(str(e))
-    first_gpu = int(rank_devices[0].removeprefix("cuda:")) if on_gpu else 0
-    rank, world_size, device = init_distributed(first_gpu, args.server_timeout + 3 * args.batch_timeout)
-    if rank == 0:
-        print(
-            describe_plan(num_gpus, server_gpus, rank_devices) + f"; compute {args.compute_dtype}", flush=True
-        )
-    return server_gpus, rank, world_size, device
 
 
 def episode_maker(args: argparse.Namespace, rank: int):
@@ -701,6 +493,24 @@ def load_models(args: argparse.Namespace, ckpt: Path | None, device: torch.devic
     return model, ref_model, loaded_checksum
 
 
+def load_tokenizer(args: argparse.Namespace, ckpt: Path | None, episode) -> tuple[object, ChatTemplate]:
+    """(tokenizer, chat template): the checkpoint's or the model's tokenizer, --chat-template if given,
+    and the tools of `episode` (an env's tools are the same for every row)."""
+    tokenizer = AutoTokenizer.from_pretrained(ckpt or args.model)
+    if args.chat_template:
+        tokenizer.chat_template = Path(args.chat_template).read_text()
+    return tokenizer, ChatTemplate(tokenizer, tools=getattr(episode, "tools", None))
+
+
+def make_optimizer(model, args: argparse.Namespace):
+    """AdamW over the (fp32) parameters and its --lr-schedule after --warmup-steps."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_lambda(s, args.warmup_steps, args.max_steps, args.lr_schedule)
+    )
+    return optimizer, scheduler
+
+
 # ---------------------------------------------------------------------------------------------------
 # THE RUN (rank 0): what the loop advances, and what a checkpoint, a heal and the shutdown need
 # ---------------------------------------------------------------------------------------------------
@@ -713,14 +523,18 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: object
     world_size: int
-    step: int = 0  # optimizer steps taken
-    version: int = 0  # weight syncs done: the servers' weight-version tag
-    position: int = 0  # dataset stream position just after the last row taken off the queue
+    step: int  # optimizer steps taken
+    version: int  # weight syncs done: the servers' weight-version tag
+    position: int  # dataset stream position just after the last row taken off the queue
+    stop_flag: dict  # {"stop": True} once SIGINT or SIGTERM came: the loop stops between steps
     last_saved: int = 0  # step of the newest checkpoint (or of the resume)
+    metrics_file: object = None  # metrics.jsonl, appended to
+    completions_file: object = None  # completions.jsonl (the rollout viewer's rows), appended to
+    tracker: object = field(default_factory=NoTracker)
+    bar: object = None  # the tqdm progress bar
     servers: list = field(default_factory=list)  # launched here; none with --vllm-url
     syncer: object = None  # weight_sync.WeightSyncer, once the servers are up
-    worker: object = None  # rollout.AsyncRolloutWorker, once it exists
-    stop_flag: dict = field(default_factory=lambda: {"stop": False})  # set by SIGINT and SIGTERM
+    worker: object = None  # rollout.AsyncRolloutWorker, once the servers are up
 
 
 def save(run: Run) -> Path:
@@ -752,27 +566,76 @@ def heal(run: Run, push: bool = True) -> None:
     print(f"{', '.join(stale)}: new weight-transfer group, gets {what}", file=sys.stderr, flush=True)
 
 
-def start_servers(run: Run, server_gpus: list[str], serving_dtype: str) -> tuple[list[str], str]:
-    """(server URLs, the model name they serve): those of --vllm-url, or servers launched here on
-    `server_gpus` (their process groups written to vllm-logs/servers.json)."""
-    args = run.args
+def start_rollouts(
+    run: Run, server_gpus: list[str], template: ChatTemplate, make_episode, rows: list[dict], device
+) -> tuple[list[str], str, dict[str, float]]:
+    """Servers up (those of --vllm-url, or launched here on `server_gpus`), the weight-transfer group
+    formed, our weights pushed, the fidelity probe passed, the rollout worker built (not started).
+    Returns (server URLs, the model name they serve, the probe's gaps)."""
+    from weight_sync import WeightSyncer  # imports vLLM: seconds
+
+    args, on_gpu = run.args, torch.cuda.is_available()
+    # Servers (launched here, or assumed of those given by --vllm-url) run bf16 on GPU, fp32 on CPU (the
+    # CPU tests compare logprobs with the trainer's exactly).
+    serving_dtype = "bfloat16" if on_gpu else "float32"
     if args.vllm_url:
         urls = [u.rstrip("/") for u in args.vllm_url]
-        return urls, served_model_name(urls[0])
-    from vllm_server import start_vllm_servers
+        model_name = served_model_name(urls[0])
+    else:
+        from vllm_server import start_vllm_servers
 
-    run.servers = start_vllm_servers(
-        args.model, num_servers=len(server_gpus),
-        gpus_per_server=args.vllm_tp if torch.cuda.is_available() else 1, log_dir=run.out_dir / "vllm-logs",
-        timeout_s=args.server_timeout, max_model_len=args.max_context, seed=args.seed, dtype=serving_dtype,
+        run.servers = start_vllm_servers(
+            args.model, num_servers=len(server_gpus), gpus_per_server=args.vllm_tp if on_gpu else 1,
+            log_dir=run.out_dir / "vllm-logs", timeout_s=args.server_timeout, max_model_len=args.max_context,
+            seed=args.seed, dtype=serving_dtype,
+        )  # fmt: skip
+        urls, model_name = [s.url for s in run.servers], str(args.model)
+        write_servers_file(run.servers, run.out_dir / "vllm-logs" / "servers.json")
+    # From here Ctrl-C is deferred in every mode (as SIGTERM is): it stops the run between steps
+    # (collect_groups raises KeyboardInterrupt), never inside an optimizer step, a weight sync or a
+    # checkpoint write. Before this point (server start-up) there is nothing to leave half-done.
+    signal.signal(signal.SIGINT, lambda *_: run.stop_flag.update(stop=True))
+    # The fp32 masters are cast to the servers' dtype as they are sent (half the bytes on GPU).
+    run.syncer = WeightSyncer(
+        urls, backend="nccl" if on_gpu else "gloo", send_dtype=getattr(torch, serving_dtype)
+    )
+    run.syncer.init()
+    # Always push ours, even onto launched servers that hold the base model: servers given by
+    # --vllm-url may hold anything, a checkpoint's weights must go in, and the version tag it sets
+    # is how a restarted server (tag "default", base weights) is told apart from one in step.
+    sync_weights(run.syncer, run.model, run.version, run.world_size)
+    probe_prompts = [template.prompt_ids(make_episode(r).messages) for r in rows[:4]]
+    bf16 = args.compute_dtype == "bf16"  # and the servers then run bf16 too: a looser, KL bound
+    fidelity = probe_fidelity(
+        urls, model_name, run.model, probe_prompts, sampling_of(args), args.seed, bf16, run.world_size, device
+    )
+    client = VLLMClient(
+        urls, model_name, request_timeout_s=args.batch_timeout, expected_version=lambda: run.syncer.version
+    )
+    run.worker = AsyncRolloutWorker(
+        client, template, make_episode, row_stream(rows, args.seed, run.position),
+        num_generations=args.num_generations, groups_per_version=args.prompts_per_step * args.sync_every,
+        max_staleness=args.max_staleness, max_turns=args.max_turns, max_context=args.max_context,
+        max_calls_per_turn=args.max_calls_per_turn, sampling=sampling_of(args).request_fields(),
+        seed=args.seed,
+        max_concurrent_tools=args.sandbox_workers, scale_rewards=not args.no_scale_rewards,
+        start_version=run.version,
     )  # fmt: skip
-    write_servers_file(run.servers, run.out_dir / "vllm-logs" / "servers.json")
-    return [s.url for s in run.servers], str(args.model)
+    return urls, model_name, fidelity
 
 
 # ---------------------------------------------------------------------------------------------------
 # LOOP STEPS
 # ---------------------------------------------------------------------------------------------------
+def mark_logged(groups, seqs: list[dict], step: int, every: int) -> list[tuple[int, int, int]]:
+    """The completions written to completions.jsonl this step (every `every` steps and the first one);
+    their sequences get a "trace" key, so that train_step returns their logprobs."""
+    logged = logged_completions(groups) if (step + 1) % every == 0 or step == 0 else []
+    for _, _, i in logged:
+        seqs[i]["trace"] = i
+    return logged
+
+
 def sync_if_due(run: Run) -> dict[str, float]:
     """Every --sync-every steps: a new model version, pushed into the servers; the worker admits by it.
     A server that fails is left out (named on stderr, counted) and brought back by `heal` once it
@@ -792,39 +655,29 @@ def sync_if_due(run: Run) -> dict[str, float]:
     return sync
 
 
-def perf_metrics(
-    worker, request_s: float, step_s: float, wait_s: float, train_s: float, seqs, generated_tokens: float
-) -> dict[str, float]:
-    """The perf/ metrics of one step; `request_s`: the seconds the worker's requests spent in flight
-    during it (their sum over requests)."""
-    return {
-        "perf/requests_in_flight": request_s / step_s,
-        "perf/step_s": step_s,
-        "perf/wait_s": wait_s,
-        "perf/idle_frac": wait_s / step_s,
-        "perf/train_s": train_s,
-        "perf/gen_tok_s": generated_tokens / step_s,
-        "perf/train_tok_s": sum(len(s["ids"]) for s in seqs) / train_s,
-        "perf/groups_failed": float(worker.stats.groups_failed),
-        "perf/groups_retried": float(worker.stats.groups_retried),
-        "perf/servers_down": float(len(worker.client.down)),
-    }
+def log_step(run: Run, metrics: dict, text_fields: dict, groups, logged, traced: dict) -> None:
+    """One metrics.jsonl line (with `text_fields`, which the tracker does not take), the tracker, the
+    progress bar, and the rollout viewer's rows of the completions logged this step."""
+    run.metrics_file.write(json.dumps(metrics | text_fields) + "\n")
+    run.metrics_file.flush()
+    run.tracker.log(metrics, run.step)
+    if logged:
+        write_completions(
+            run.completions_file, groups, logged, traced, run.step, run.tokenizer, run.args.is_cap
+        )
+    run.bar.update(1)
+    run.bar.set_postfix(
+        reward=f"{metrics['rollout/reward_mean']:.3f}", acc=f"{metrics['rollout/accuracy']:.2f}",
+        gen_tok_s=f"{metrics['perf/gen_tok_s']:.0f}",
+        train_tok_s=f"{metrics['perf/train_tok_s']:.0f}",
+    )  # fmt: skip
 
 
-def write_completions(completions_file, groups, logged, traced, step: int, tokenizer, is_cap: float) -> None:
-    """The rollout viewer's rows (completions.jsonl) of the completions logged this step."""
-    for gi, ci, i in logged:
-        row = trajectory_record(groups[gi], ci, step, tokenizer, traced.get(i), is_cap)
-        completions_file.write(json.dumps(row) + "\n")
-    completions_file.flush()
-
-
-def shutdown(run: Run, exc: BaseException | None, rank0_files: list, tracker, bar) -> None:
-    """Stop the worker → final checkpoint (also after a batch timeout or a failed sync, which strike
-    between steps; not after an exception mid-step) → release the other ranks and the sync group →
-    stop the servers."""
-    if bar is not None:
-        bar.close()
+def shutdown(run: Run, exc: BaseException | None) -> None:
+    """Stop the worker → final checkpoint (also after a batch timeout, which strikes between steps; not
+    after an exception mid-step) → release the other ranks and the sync group → stop the servers."""
+    if run.bar is not None:
+        run.bar.close()
     if run.worker is not None:
         run.worker.stop(timeout_s=10.0)
         ws, cs = run.worker.stats, run.worker.client.stats
@@ -848,9 +701,9 @@ def shutdown(run: Run, exc: BaseException | None, rank0_files: list, tracker, ba
         run.syncer.close()
     for s in run.servers:
         s.stop()
-    tracker.finish()
-    for f in rank0_files:
-        f.close()
+    run.tracker.finish()
+    run.metrics_file.close()
+    run.completions_file.close()
     if run.world_size > 1:
         dist.destroy_process_group()
 
@@ -859,121 +712,81 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     verify.DEADLINE_S = args.reward_timeout
     check_args(args)
-    from weight_sync import WeightSyncer  # imports vLLM: seconds, so not for --help
 
     # -----------------------------------------------------------------------------------------------
     # SETUP
     # -----------------------------------------------------------------------------------------------
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    ckpt = None
-    if args.resume is not None:
-        ckpt = latest_checkpoint(out_dir) if args.resume == "latest" else Path(args.resume)
-        if ckpt is None:
-            parser.error(f"--resume: no checkpoint in {out_dir / 'checkpoints'}")
+    ckpt = checkpoint_to_resume(args.resume, out_dir)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     pin_rollout_cpus(args)
-    on_gpu = torch.cuda.is_available()
-    args.compute_dtype = args.compute_dtype or ("bf16" if on_gpu else "fp32")
-    server_gpus, rank, world_size, device = place_ranks(args)
+    args.compute_dtype = args.compute_dtype or ("bf16" if torch.cuda.is_available() else "fp32")
+    try:  # checked before anything starts: launched servers take GPUs 0..K−1, trainer rank r GPU K + r
+        server_gpus, rank, world_size, device = place_ranks(
+            args.vllm_gpus, args.vllm_tp, not args.vllm_url, args.compute_dtype,
+            collective_timeout_s=args.server_timeout + 3 * args.batch_timeout,
+        )  # fmt: skip
+    except ValueError as e:
+        parser.error(str(e))
     make_episode, sandbox_mode = episode_maker(args, rank)  # sandbox_mode: logged on the first step
     rows = load_rows(args.dataset)
     eval_rows = load_rows(args.eval_dataset, split="test")[: args.eval_limit] if args.eval_every else []
-    tokenizer = AutoTokenizer.from_pretrained(ckpt or args.model)
-    if args.chat_template:
-        tokenizer.chat_template = Path(args.chat_template).read_text()
-    template = ChatTemplate(tokenizer, tools=getattr(make_episode(rows[0]), "tools", None))
+    tokenizer, template = load_tokenizer(args, ckpt, make_episode(rows[0]))
     model, ref_model, loaded_checksum = load_models(args, ckpt, device, world_size)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_lambda(s, args.warmup_steps, args.max_steps, args.lr_schedule)
-    )
-    run = Run(args, out_dir, model, tokenizer, optimizer, scheduler, world_size)
+    optimizer, scheduler = make_optimizer(model, args)
+    step, version, position = 0, 0, 0
     if ckpt is not None:
-        run.step, run.version, run.position = load_checkpoint(
-            ckpt, model, optimizer, scheduler, rank, world_size
-        )
-        run.last_saved = run.step
+        step, version, position = load_checkpoint(ckpt, model, optimizer, scheduler, rank, world_size)
         print(
-            f"resumed from {ckpt} at step {run.step}, model version {run.version}, dataset position "
-            f"{run.position} (param checksum {loaded_checksum!r})",
+            f"resumed from {ckpt} at step {step}, model version {version}, dataset position {position} "
+            f"(param checksum {loaded_checksum!r})",
             flush=True,
         )
-    stop = lambda *_: run.stop_flag.update(stop=True)  # noqa: E731
-    signal.signal(signal.SIGTERM, stop)
+    stop_flag = {"stop": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop_flag.update(stop=True))
     if world_size > 1:
         # Ctrl-C and SIGTERM stop rank 0 between two steps, never inside a collective; it then tells
         # the other ranks, which ignore both signals (torchrun SIGKILLs them if rank 0 dies).
-        signal.signal(signal.SIGINT, stop)
+        signal.signal(signal.SIGINT, lambda *_: stop_flag.update(stop=True))
     if rank != 0:
         follow_rank0(
             model, ref_model, optimizer, scheduler, tokenizer, args, out_dir, rank, world_size, device
         )
         dist.destroy_process_group()
         return
-    # Servers (launched here, or assumed of those given by --vllm-url) run bf16 on GPU, fp32 on CPU (the
-    # CPU tests compare logprobs with the trainer's exactly).
-    serving_dtype = "bfloat16" if on_gpu else "float32"
-    metrics_file = open(out_dir / "metrics.jsonl", "a")
-    completions_file = open(out_dir / "completions.jsonl", "a")
-    tracker, bar, fidelity, refused = NoTracker(), None, {}, False
+    run = Run(
+        args, out_dir, model, tokenizer, optimizer, scheduler, world_size, step, version, position, stop_flag,
+        last_saved=step, metrics_file=open(out_dir / "metrics.jsonl", "a"),
+        completions_file=open(out_dir / "completions.jsonl", "a"),
+    )  # fmt: skip
+    refused = False
     try:
         # -------------------------------------------------------------------------------------------
-        # START ROLLOUTS: servers, weight sync group, the worker thread
+        # START ROLLOUTS: servers, weight sync group, fidelity probe, the worker thread
         # -------------------------------------------------------------------------------------------
-        urls, model_name = start_servers(run, server_gpus, serving_dtype)
-        # From here Ctrl-C is deferred in every mode (as SIGTERM is): it stops the run between steps
-        # (collect_groups raises KeyboardInterrupt), never inside an optimizer step, a weight sync or a
-        # checkpoint write. Before this point (server start-up) there is nothing to leave half-done.
-        signal.signal(signal.SIGINT, stop)
-        # The fp32 masters are cast to the servers' dtype as they are sent (half the bytes on GPU).
-        run.syncer = WeightSyncer(
-            urls, backend="nccl" if on_gpu else "gloo", send_dtype=getattr(torch, serving_dtype)
-        )
-        run.syncer.init()
-        # Always push ours, even onto launched servers that hold the base model: servers given by
-        # --vllm-url may hold anything, a checkpoint's weights must go in, and the version tag it sets
-        # is how a restarted server (tag "default", base weights) is told apart from one in step.
-        sync_weights(run.syncer, model, run.version, world_size)
-        probe_prompts = [template.prompt_ids(make_episode(r).messages) for r in rows[:4]]
-        fidelity = probe_fidelity(urls, model_name, model, probe_prompts, args, world_size, device)
-        client = VLLMClient(
-            urls,
-            model_name,
-            request_timeout_s=args.batch_timeout,
-            expected_version=lambda: run.syncer.version,
-        )
-        run.worker = AsyncRolloutWorker(
-            client, template, make_episode, row_stream(rows, args.seed, run.position),
-            num_generations=args.num_generations, groups_per_version=args.prompts_per_step * args.sync_every,
-            max_staleness=args.max_staleness, max_turns=args.max_turns, max_context=args.max_context,
-            max_calls_per_turn=args.max_calls_per_turn, sampling=sampling_of(args).request_fields(),
-            seed=args.seed,
-            max_concurrent_tools=args.sandbox_workers, scale_rewards=not args.no_scale_rewards,
-            start_version=run.version,
-        )  # fmt: skip
-        eval_args = (urls, model_name, template, make_episode, eval_rows, args, client.expected_version)
-        if (
-            args.eval_every and run.step == 0
-        ):  # the starting point, before any rollout competes for the server
+        urls, model_name, fidelity = start_rollouts(run, server_gpus, template, make_episode, rows, device)
+        expected_version = run.worker.client.expected_version
+        eval_args = (urls, model_name, template, make_episode, eval_rows, args, expected_version)
+        if args.eval_every and run.step == 0:  # the start, before any rollout competes for the server
             t_eval = time.monotonic()
             start = asyncio.run(evaluate(*eval_args))
             start.update({"step": 0, "model_version": run.version, "perf/eval_s": time.monotonic() - t_eval})
-            metrics_file.write(json.dumps(start) + "\n")
-            metrics_file.flush()
+            run.metrics_file.write(json.dumps(start) + "\n")
+            run.metrics_file.flush()
             print(f"eval at start: {json.dumps(start)}", flush=True)
         run.worker.start()
-        tracker = make_tracker(args.report_to, out_dir, vars(args))
+        run.tracker = make_tracker(args.report_to, out_dir, vars(args))
 
         # -------------------------------------------------------------------------------------------
         # TRAIN LOOP
         # -------------------------------------------------------------------------------------------
-        bar = tqdm(total=args.max_steps, initial=run.step, desc="grpo", dynamic_ncols=True)
+        run.bar = tqdm(total=args.max_steps, initial=run.step, desc="grpo", dynamic_ncols=True)
         t_last, request_s = time.monotonic(), run.worker.stats.request_seconds
         while run.step < args.max_steps:
             groups, taken, dropped, skipped, wait_s = collect_groups(
-                run.worker, args.prompts_per_step, run.version, args, urls, run.stop_flag,
+                run.worker, args.prompts_per_step, run.version, args, urls, stop_flag,
                 functools.partial(heal, run),
             )  # fmt: skip
             run.position = max([run.position] + [g.row["_index"] + 1 for g in taken])
@@ -982,11 +795,7 @@ def main(argv: list[str] | None = None) -> None:
             t_train = time.monotonic()
             version_trained = run.version  # the version the batch's lags are measured against
             seqs = batch_sequences(groups)
-            # The completions logged this step carry a "trace" key: train_step returns their logprobs.
-            logging = (run.step + 1) % args.log_completions_every == 0 or run.step == 0
-            logged, traced = logged_completions(groups) if logging else [], {}
-            for _, _, i in logged:
-                seqs[i]["trace"] = i
+            logged, traced = mark_logged(groups, seqs, run.step, args.log_completions_every), {}
             broadcast_message({"batch": seqs}, world_size)
             train = train_step(
                 model, ref_model, optimizer, scheduler, seqs, args, rank, world_size, device, traced
@@ -1001,8 +810,7 @@ def main(argv: list[str] | None = None) -> None:
             metrics = {"step": run.step, "model_version": run.version, "dataset_position": run.position}
             metrics.update(rollout_metrics(groups, dropped, skipped, taken, version_trained))
             metrics.update(train | sync | fidelity)  # fidelity: the start-up probe's gaps, first line only
-            fidelity = {}
-            request_s, request_s_last = run.worker.stats.request_seconds, request_s
+            request_s, request_s_last, fidelity = run.worker.stats.request_seconds, request_s, {}
             metrics.update(perf_metrics(
                 run.worker, request_s - request_s_last, step_s, wait_s, train_s, seqs,
                 metrics["rollout/generated_tokens"],
@@ -1013,18 +821,8 @@ def main(argv: list[str] | None = None) -> None:
                 metrics.update(asyncio.run(evaluate(*eval_args)))
                 metrics["perf/eval_s"] = time.monotonic() - t_eval
                 t_last += metrics["perf/eval_s"]  # eval time is not the next step's
-            metrics_file.write(json.dumps(metrics | sandbox_mode) + "\n")  # a string: not for the tracker
+            log_step(run, metrics, sandbox_mode, groups, logged, traced)  # sandbox_mode: a string
             sandbox_mode = {}
-            metrics_file.flush()
-            tracker.log(metrics, run.step)
-            if logged:
-                write_completions(completions_file, groups, logged, traced, run.step, tokenizer, args.is_cap)
-            bar.update(1)
-            bar.set_postfix(
-                reward=f"{metrics['rollout/reward_mean']:.3f}", acc=f"{metrics['rollout/accuracy']:.2f}",
-                gen_tok_s=f"{metrics['perf/gen_tok_s']:.0f}",
-                train_tok_s=f"{metrics['perf/train_tok_s']:.0f}",
-            )  # fmt: skip
             if run.step % args.save_every == 0:
                 save(run)
                 run.last_saved = run.step
@@ -1037,7 +835,7 @@ def main(argv: list[str] | None = None) -> None:
         # -------------------------------------------------------------------------------------------
         # SHUTDOWN: stop admitting → stop the worker → release the sync group → stop the servers
         # -------------------------------------------------------------------------------------------
-        shutdown(run, sys.exc_info()[1], [metrics_file, completions_file], tracker, bar)
+        shutdown(run, sys.exc_info()[1])
     if refused:
         sys.exit(1)
 

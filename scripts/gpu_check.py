@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 try:
     import train_async_grpo as T
+    from batches import collate
     from distributed import shard_model
     from sampling import Sampling, token_logprobs
 except ImportError as e:
@@ -109,7 +110,7 @@ def check_fp32_masters(config, device, seqs, budget) -> None:
 
 
 def packed_vs_alone(model, seqs, device, compute_dtype: str) -> tuple[float, float]:
-    mb = T.collate(seqs, device)
+    mb = collate(seqs, device)
     bf16, sampling = compute_dtype == "bf16", Sampling(1.0)
     with torch.no_grad():
         packed, _ = token_logprobs(model, mb["input_ids"], mb["position_ids"], sampling, bf16=bf16)

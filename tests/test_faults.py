@@ -18,7 +18,7 @@ import torch
 from test_weight_sync import max_diff, weight_version  # what weight sync is tested with
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import train_async_grpo as T
+from batches import BatchTimeout, collect_groups
 from checkpoint import latest_checkpoint
 from envs import load_env
 from envs.data import load_rows
@@ -201,8 +201,8 @@ def test_reward_that_raises_drops_groups_and_names_the_cause(own_server):
             assert time.monotonic() < deadline and worker.alive, worker.stats
             time.sleep(0.2)
         args = SimpleNamespace(batch_timeout=1.0, max_staleness=1, keep_zero_variance=True)
-        with pytest.raises(T.BatchTimeout) as e:
-            T.collect_groups(worker, 2, 0, args, [own_server["server"].url], {"stop": False})
+        with pytest.raises(BatchTimeout) as e:
+            collect_groups(worker, 2, 0, args, [own_server["server"].url], {"stop": False})
     finally:
         worker.stop(timeout_s=5)
     assert worker.stats.groups_retried >= 2 and worker.stats.groups_done == 0

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import train_async_grpo as T
+from batches import BatchTimeout, collate, collect_groups, pack, row_stream
 from checkpoint import param_checksum
 from distributed import describe_plan, init_distributed, plan_devices, shard_model
 from envs.sandbox import isolation_mode
@@ -46,7 +47,7 @@ def test_packed_logprobs_equal_per_sequence_logprobs(tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(0)
     seqs = [_seq(5, 9, gen), _seq(3, 4, gen), _seq(7, 12, gen)]
-    mb = T.collate(seqs, "cpu")
+    mb = collate(seqs, "cpu")
     assert mb["position_ids"][0].tolist() == [*range(14), *range(7), *range(19)]
     with torch.no_grad():
         packed, entropy = token_logprobs(
@@ -69,7 +70,7 @@ def test_packed_logprobs_equal_per_sequence_logprobs(tiny_model):
 def test_pack_respects_the_token_budget():
     lens = [100, 30, 70, 250, 10, 60]
     seqs = [{"ids": [0] * n} for n in lens]
-    bins = T.pack(seqs, budget=128)
+    bins = pack(seqs, budget=128)
     assert sorted(i for b in bins for i in b) == list(range(len(lens)))
     for b in bins:
         assert sum(lens[i] for i in b) <= 128 or len(b) == 1  # an over-long sequence goes alone
@@ -96,8 +97,8 @@ def _args(drop_stale: bool = False, **kw):
 
 def test_batch_timeout_names_a_dead_worker_and_a_down_server():
     worker = _fake_worker(alive=False, groups_started=3, groups_failed=3, last_error="GenerationError: boom")
-    with pytest.raises(T.BatchTimeout) as e:
-        T.collect_groups(worker, 2, 0, _args(), ["http://127.0.0.1:9"], {"stop": False})
+    with pytest.raises(BatchTimeout) as e:
+        collect_groups(worker, 2, 0, _args(), ["http://127.0.0.1:9"], {"stop": False})
     msg = str(e.value)
     assert "rollout worker thread died" in msg
     assert "not healthy: http://127.0.0.1:9" in msg
@@ -107,8 +108,8 @@ def test_batch_timeout_names_a_dead_worker_and_a_down_server():
 def test_batch_timeout_names_a_server_kept_out_of_routing():
     worker = _fake_worker(alive=True)
     worker.client.down = {"http://127.0.0.1:7"}  # answers /health, but never re-synced
-    with pytest.raises(T.BatchTimeout) as e:
-        T.collect_groups(worker, 1, 0, _args(), [], {"stop": False})
+    with pytest.raises(BatchTimeout) as e:
+        collect_groups(worker, 1, 0, _args(), [], {"stop": False})
     assert "answer but are out of routing: http://127.0.0.1:7" in str(e.value)
 
 
@@ -117,13 +118,13 @@ def test_batch_timeout_says_all_rewards_were_equal_and_stale_groups_are_dropped(
     stale = SimpleNamespace(rewards=[0.0, 1.0], admitted_version=0, row={"_index": 1})
     worker = _fake_worker(alive=True, groups=[equal] * 3, groups_started=3, groups_done=3)
     t0 = time.monotonic()
-    with pytest.raises(T.BatchTimeout) as e:
-        T.collect_groups(worker, 1, 0, _args(), [], {"stop": False})
+    with pytest.raises(BatchTimeout) as e:
+        collect_groups(worker, 1, 0, _args(), [], {"stop": False})
     assert time.monotonic() - t0 < 10
     assert "all rewards equal in 3 groups" in str(e.value)
     worker = _fake_worker(alive=True, groups=[stale] * 2, groups_started=2, groups_done=2)
-    with pytest.raises(T.BatchTimeout) as e:
-        T.collect_groups(worker, 1, 5, _args(drop_stale=True), [], {"stop": False})  # trainer at version 5
+    with pytest.raises(BatchTimeout) as e:
+        collect_groups(worker, 1, 5, _args(drop_stale=True), [], {"stop": False})  # trainer at version 5
     assert "2 groups dropped as stale" in str(e.value)
 
 
@@ -147,7 +148,7 @@ def test_late_groups_are_trained_and_their_token_lags_counted_in_versions():
     dropped only with --drop-stale, and then the length ratio shows the bias."""
     late = _group(0, [(40, 0, 0), (40, 0, 1)])  # turn 2 spans a sync: lag from its oldest version
     fresh = _group(3, [(4, 3, 3), (4, 3, 3)])
-    kept, taken, dropped, _, _ = T.collect_groups(
+    kept, taken, dropped, _, _ = collect_groups(
         _fake_worker(True, [late, fresh]), 2, 3, _args(), [], {"stop": False}
     )
     assert kept == [late, fresh] and dropped == 0
@@ -158,7 +159,7 @@ def test_late_groups_are_trained_and_their_token_lags_counted_in_versions():
     assert m["rollout/trained_vs_admitted_len"] == 1.0 and m["rollout/staleness_max"] == 3
 
     worker = _fake_worker(True, [late, fresh, fresh])
-    kept, taken, dropped, _, _ = T.collect_groups(worker, 2, 3, _args(drop_stale=True), [], {"stop": False})
+    kept, taken, dropped, _, _ = collect_groups(worker, 2, 3, _args(drop_stale=True), [], {"stop": False})
     assert kept == [fresh, fresh] and dropped == 1
     m = rollout_metrics(kept, dropped, 0, taken, version=3)
     assert m["rollout/dropped_stale"] == 1 and m["rollout/token_lag_max"] == 0
@@ -168,11 +169,11 @@ def test_late_groups_are_trained_and_their_token_lags_counted_in_versions():
 
 def test_row_stream_resumes_where_it_left_off():
     rows = [{"question": str(i)} for i in range(5)]
-    full = T.row_stream(rows, seed=3)
+    full = row_stream(rows, seed=3)
     first = [next(full) for _ in range(13)]
     assert sorted(r["question"] for r in first[:5]) == [str(i) for i in range(5)]  # an epoch is a permutation
     assert [r["_index"] for r in first] == list(range(13))
-    resumed = T.row_stream(rows, seed=3, start=7)
+    resumed = row_stream(rows, seed=3, start=7)
     assert [next(resumed) for _ in range(6)] == first[7:13]
 
 
@@ -449,7 +450,7 @@ def test_two_fsdp_ranks_take_the_one_process_step(tmp_path, tiny_model):
     seqs = _seqs_for_ranks()
     for k in (0, 2, 4):
         seqs[k]["trace"] = k
-    assert len(T.pack(seqs, _step_args().micro_batch_tokens)) == 3
+    assert len(pack(seqs, _step_args().micro_batch_tokens)) == 3
     out = tmp_path / "rank0.pt"
     mp.spawn(_fsdp_rank, args=(2, free_port(), tiny_model, seqs, out), nprocs=2, join=True)
     two = torch.load(out, weights_only=False)
@@ -533,7 +534,7 @@ def test_bf16_compute_logprobs_match_fp32(tiny_model):
     every token (measured 0.006 max, 0.0016 mean on the tiny model)."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(0)
-    mb = T.collate([_seq(5, 9, gen), _seq(3, 4, gen), _seq(7, 12, gen)], "cpu")
+    mb = collate([_seq(5, 9, gen), _seq(3, 4, gen), _seq(7, 12, gen)], "cpu")
     with torch.no_grad():
         fp32, _ = token_logprobs(model, mb["input_ids"], mb["position_ids"], Sampling(0.8))
         bf16, _ = token_logprobs(model, mb["input_ids"], mb["position_ids"], Sampling(0.8), bf16=True)
