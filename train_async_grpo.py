@@ -385,15 +385,9 @@ def train_step(
     }
 
 
-def lr_lambda(step: int, warmup: int, total: int, schedule: str) -> float:
-    if step < warmup:
-        return (step + 1) / (warmup + 1)
-    if schedule == "cosine":
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return 1.0
-
-
+# ---------------------------------------------------------------------------------------------------
+# RANKS: rank 0 runs the loop and sends each step's work as a message; the others follow it
+# ---------------------------------------------------------------------------------------------------
 def sync_weights(syncer, model, version: int, world_size: int = 1, urls: list[str] | None = None) -> dict:
     """Push the trainer's weights into every joined server (or those of `urls`), tagged with `version`
     (the one call site). Rank 0 first tells the other ranks to join the gathers of the FSDP shards."""
@@ -500,6 +494,15 @@ def load_tokenizer(args: argparse.Namespace, ckpt: Path | None, episode) -> tupl
     if args.chat_template:
         tokenizer.chat_template = Path(args.chat_template).read_text()
     return tokenizer, ChatTemplate(tokenizer, tools=getattr(episode, "tools", None))
+
+
+def lr_lambda(step: int, warmup: int, total: int, schedule: str) -> float:
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    if schedule == "cosine":
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return 1.0
 
 
 def make_optimizer(model, args: argparse.Namespace):

@@ -1,5 +1,6 @@
 """Start and stop real vLLM OpenAI-compatible servers — the one launcher the train script, tests,
-benchmarks and `make serve` share.
+benchmarks and `make serve` share — and the server side of a run: the one health check (`healthy`), the
+servers file a kill -9 leaves for cleanup, and the relaunch of a launched server that exited.
 
     python vllm_server.py --model models/tiny            # serve until Ctrl-C
 
