@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from distributed import broadcast_message
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -103,6 +105,21 @@ def token_logprobs_and_entropy(
             weighted = torch.where(probs > 0, probs * scaled, torch.zeros_like(probs)).sum(-1)
             entropy = logz - weighted
     return logprobs, entropy
+
+
+def token_logprobs(
+    model, input_ids, position_ids, sampling: Sampling, with_entropy: bool = False, bf16: bool = False
+):
+    """log π(token_j | tokens < j) under the distribution vLLM samples from (temperature, top-k, top-p:
+    above) for every position of a packed row (position 0 gets 0: nothing predicts it). `bf16`:
+    the forward under bf16 autocast (--compute-dtype bf16); the log-softmax is fp32 either way.
+    Returns (logprobs (T,), entropy (T,) or None)."""
+    with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=bf16):
+        logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0]  # (T, V)
+    # (T−1, V): position j−1 predicts token j
+    lp, entropy = token_logprobs_and_entropy(logits[:-1], input_ids[0, 1:], sampling, with_entropy)
+    zero = lp.new_zeros(1)
+    return torch.cat([zero, lp]), (torch.cat([zero, entropy]) if with_entropy else None)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -203,3 +220,38 @@ def check_fidelity(
         "fidelity/mismatch_kl": kl,
         "fidelity/bare_max_abs_diff": bare_max_diff,
     }
+
+
+@torch.no_grad()
+def rescore(model, samples: list, device, bf16: bool) -> list[list[float]]:
+    """The trainer's logprobs of each probe sample's completion, with the function training uses."""
+    out = []
+    for s in samples:
+        ids = torch.tensor([s.prompt_ids + s.completion_ids], device=device)
+        positions = torch.arange(ids.shape[1], device=device)[None]
+        lp, _ = token_logprobs(model, ids, positions, s.sampling, bf16=bf16)
+        out.append(lp[len(s.prompt_ids) :].tolist())
+    return out
+
+
+def probe_fidelity(
+    urls: list[str], model_name: str, model, prompts: list[list[int]], sampling: Sampling, seed: int,
+    bf16: bool, world_size: int, device,
+) -> dict[str, float]:  # fmt: skip
+    """Before the first step every server samples a few short completions with the run's settings, and
+    the trainer re-scores them; FidelityError (naming the server, the gap and the likely causes) when they
+    disagree. Under FSDP every rank joins the re-scoring forwards (rank 0 broadcasts the samples; the
+    others answer in train_async_grpo.follow_rank0). `bf16`: either side computes in bf16."""
+    worst: dict[str, float] = {}
+    for url in urls:
+        run, bare = asyncio.run(probe_server(url, model_name, prompts, sampling, seed))
+        broadcast_message({"rescore": run + bare}, world_size)
+        scored = rescore(model, run + bare, device, bf16)
+        gaps = check_fidelity(url, (run, scored[: len(run)]), (bare, scored[len(run) :]), bf16)
+        worst = {k: max(v, worst.get(k, 0.0)) for k, v in gaps.items()}
+    print(
+        f"fidelity probe: {len(urls)} server(s) sample what the trainer scores (max |Δ logprob| "
+        f"{worst['fidelity/max_abs_diff']:.2g}, mismatch KL {worst['fidelity/mismatch_kl']:.2g})",
+        flush=True,
+    )
+    return worst

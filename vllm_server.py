@@ -1,5 +1,6 @@
 """Start and stop real vLLM OpenAI-compatible servers — the one launcher the train script, tests,
-benchmarks and `make serve` share.
+benchmarks and `make serve` share — and the server side of a run: the one health check (`healthy`), the
+servers file a kill -9 leaves for cleanup, and the relaunch of a launched server that exited.
 
     python vllm_server.py --model models/tiny            # serve until Ctrl-C
     python vllm_server.py --model models/tiny --host 0.0.0.0   # for a trainer on another host
@@ -12,6 +13,7 @@ logprobs the ones the sampler used (after temperature), which is what the GRPO l
 
 import argparse
 import atexit
+import json
 import os
 import signal
 import socket
@@ -78,6 +80,21 @@ def _start_watchdog(pgid: int) -> int:
     return write_end
 
 
+def healthy(url: str, timeout_s: float = 2.0) -> bool:
+    """Does the server at `url` answer /health with 200 within `timeout_s`? The one health check: server
+    start-up, the weight syncer and the trainer's batch-timeout diagnosis all ask this."""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def served_model_name(url: str) -> str:
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
+        return json.loads(r.read())["data"][0]["id"]
+
+
 class VLLMServer:
     """One running vLLM server process (and its engine children, all in one process group)."""
 
@@ -116,12 +133,8 @@ class VLLMServer:
                     f"vLLM server {self.url} exited with code {self.proc.returncode} during start-up; "
                     f"log {self.log_path} ends with:\n{self.log_tail()}"
                 )
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
+            if healthy(self.url):
+                return
             time.sleep(0.5)
         self.stop()
         raise TimeoutError(
@@ -285,6 +298,26 @@ def start_vllm_servers(
             s.stop()
         raise
     return servers
+
+
+def write_servers_file(servers: list[VLLMServer], path: Path) -> None:
+    """The process groups of launched servers: after a kill -9 of the trainer their engine processes can
+    outlive the API server; `kill -9 -PGID` of each cleans up."""
+    path.write_text(json.dumps([{"url": s.url, "pgid": s.proc.pid} for s in servers]))
+
+
+def relaunch_exited(servers: list[VLLMServer], servers_file: Path) -> None:
+    """Relaunch each of `servers` that exited (same port and arguments, so the same URL and the base
+    weights; not waited for) and rewrite `servers_file` with the new process groups."""
+    for s in servers:
+        if not s.alive():
+            print(
+                f"vLLM server {s.url} exited with code {s.proc.returncode}; relaunching it",
+                file=sys.stderr,
+                flush=True,
+            )
+            s.restart()
+            write_servers_file(servers, servers_file)
 
 
 @atexit.register

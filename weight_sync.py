@@ -43,7 +43,6 @@ import datetime
 import ipaddress
 import json
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -57,6 +56,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from vllm_server import healthy
 
 DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024  # gloo sends one buffer per bucket; bigger = fewer round trips
 
@@ -303,14 +304,6 @@ def _post(url: str, path: str, body: dict | None, timeout_s: float) -> dict:
     return json.loads(text) if text else {}
 
 
-def _alive(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
 def _call_all(urls: list[str], path: str, bodies: list[dict | None], timeout_s: float) -> dict[str, str]:
     """The same call on every server at once. Returns {url: error} for the servers that failed."""
     pool = ThreadPoolExecutor(max_workers=max(1, len(urls)))
@@ -488,6 +481,19 @@ class WeightSyncer:
                 stale.append(u)
         return stale
 
+    def rejoin(self) -> list[str]:
+        """Give each server that is out of step (restarted, or failed a sync) and answers a new transfer
+        group. Returns those that joined: they still need the current weights. A server that does not
+        answer is named on stderr and tried again next call."""
+        stale = self.out_of_step()
+        if not stale:
+            return []
+        try:
+            self.join(stale)
+        except WeightSyncError as e:  # names a server that did not answer; those that did have joined
+            print(f"weight-transfer group: {e}", file=sys.stderr, flush=True)
+        return [u for u in stale if u in self.groups]
+
     def _worker_init_info(self, port: int, rank_offset: int, world_size: int) -> dict:
         info = dict(
             master_address=self.master_address,
@@ -595,7 +601,7 @@ class WeightSyncer:
             for u, m in failed.items():  # its group is out of step or gone: a new one on rejoin
                 self.groups.pop(u, None)
                 self.failed[u] = m
-            dead = [u for u in failed if not _alive(u)]
+            dead = [u for u in failed if not healthy(u)]
             for u in failed:
                 if u not in dead:
                     try:
@@ -675,7 +681,7 @@ class WeightSyncer:
 
     def close(self) -> None:
         """Release the groups on both sides; the servers keep serving."""
-        live = [u for u in self.urls if u in self.groups and _alive(u)]
+        live = [u for u in self.urls if u in self.groups and healthy(u)]
         if self.rank == 0 and live:
             _call_all(live, "/shutdown_weight_transfer_engine", [None] * len(live), self.http_timeout_s)
         self.groups.clear()
@@ -686,45 +692,3 @@ def _materialize(p: torch.Tensor) -> torch.Tensor:
     # FSDP2 DTensor: all-gather this one parameter now (a collective on every trainer rank).
     full_tensor = getattr(p, "full_tensor", None)
     return full_tensor() if callable(full_tensor) else p
-
-
-# ---------------------------------------------------------------------------------------------------
-# BENCHMARK: the transport's limit, for `make bench`
-# ---------------------------------------------------------------------------------------------------
-
-
-def bench_raw_gloo_broadcast(num_bytes: int, repeats: int = 3) -> float:
-    """Seconds for one gloo broadcast of `num_bytes` from this process to a second local process
-    (best of `repeats`, after a warm-up) — the floor a CPU weight sync can reach."""
-    from vllm_server import free_port
-
-    port = free_port()
-    # The receiver imports torch only (importing this module would import vLLM: seconds of start-up).
-    receiver = (
-        "import datetime, torch, torch.distributed as dist\n"
-        f"t = datetime.timedelta(seconds=120)\n"
-        f"store = dist.TCPStore('127.0.0.1', {port}, 2, is_master=False, timeout=t)\n"
-        "group = dist.ProcessGroupGloo(store, 1, 2, t)\n"
-        f"buf = torch.empty({num_bytes}, dtype=torch.uint8)\n"
-        "group.broadcast(buf, 0).wait()\n"
-        f"for _ in range({repeats}):\n"
-        "    group.broadcast(buf, 0).wait()\n"
-        "    group.barrier().wait()\n"
-    )
-    child = subprocess.Popen([sys.executable, "-c", receiver])
-    try:
-        _, group = gloo_group("127.0.0.1", port, 0, 2, 120)
-        buf = torch.ones(num_bytes, dtype=torch.uint8)
-        group.broadcast(buf, 0).wait()  # warm-up: connections, page faults
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            group.broadcast(buf, 0).wait()
-            group.barrier().wait()  # the receiver has it all, not just our socket buffer
-            best = min(best, time.perf_counter() - t0)
-        return best
-    finally:
-        try:
-            child.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            child.kill()

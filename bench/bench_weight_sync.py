@@ -4,7 +4,7 @@
 
 Syncs the trainer's weights into the server `--syncs` times (gloo on CPU, NCCL on GPU) and reports
 the median sync seconds and MB/s beside a raw gloo broadcast of the same bytes between two local
-processes (`weight_sync.bench_raw_gloo_broadcast`). The tiny model is ~2 MB, so its sync time is the
+processes (`bench_raw_gloo_broadcast` below). The tiny model is ~2 MB, so its sync time is the
 six HTTP round trips of the protocol; `--widen N` builds a copy with hidden and MLP sizes N times
 larger (random weights, the tiny tokenizer) so the transfer itself shows. Prints one JSON object; with
 --out it is merged into that results file.
@@ -14,8 +14,10 @@ import argparse
 import json
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -23,8 +25,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file from anywhere
 from bench.results import merge_results  # noqa: E402
-from vllm_server import start_vllm_server  # noqa: E402
-from weight_sync import WeightSyncer, bench_raw_gloo_broadcast  # noqa: E402
+from vllm_server import free_port, start_vllm_server  # noqa: E402
+from weight_sync import WeightSyncer, gloo_group  # noqa: E402
 
 
 def widened_model(model: str, widen: int, out: Path) -> str:
@@ -40,6 +42,41 @@ def widened_model(model: str, widen: int, out: Path) -> str:
         if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
             shutil.copy(f, out / f.name)
     return str(out)
+
+
+def bench_raw_gloo_broadcast(num_bytes: int, repeats: int = 3) -> float:
+    """Seconds for one gloo broadcast of `num_bytes` from this process to a second local process
+    (best of `repeats`, after a warm-up) — the floor a CPU weight sync can reach."""
+    port = free_port()
+    # The receiver imports torch only (importing this module would import vLLM: seconds of start-up).
+    receiver = (
+        "import datetime, torch, torch.distributed as dist\n"
+        f"t = datetime.timedelta(seconds=120)\n"
+        f"store = dist.TCPStore('127.0.0.1', {port}, 2, is_master=False, timeout=t)\n"
+        "group = dist.ProcessGroupGloo(store, 1, 2, t)\n"
+        f"buf = torch.empty({num_bytes}, dtype=torch.uint8)\n"
+        "group.broadcast(buf, 0).wait()\n"
+        f"for _ in range({repeats}):\n"
+        "    group.broadcast(buf, 0).wait()\n"
+        "    group.barrier().wait()\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", receiver])
+    try:
+        _, group = gloo_group("127.0.0.1", port, 0, 2, 120)
+        buf = torch.ones(num_bytes, dtype=torch.uint8)
+        group.broadcast(buf, 0).wait()  # warm-up: connections, page faults
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            group.broadcast(buf, 0).wait()
+            group.barrier().wait()  # the receiver has it all, not just our socket buffer
+            best = min(best, time.perf_counter() - t0)
+        return best
+    finally:
+        try:
+            child.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            child.kill()
 
 
 def main() -> None:

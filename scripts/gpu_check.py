@@ -31,7 +31,9 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 try:
     import train_async_grpo as T
-    from sampling import Sampling
+    from batches import collate
+    from distributed import shard_model
+    from sampling import Sampling, token_logprobs
 except ImportError as e:
     sys.exit(f"gpu_check: cannot import the trainer ({e}); `pip install aiohttp` if that is what is missing")
 
@@ -108,15 +110,15 @@ def check_fp32_masters(config, device, seqs, budget) -> None:
 
 
 def packed_vs_alone(model, seqs, device, compute_dtype: str) -> tuple[float, float]:
-    mb = T.collate(seqs, device)
+    mb = collate(seqs, device)
     bf16, sampling = compute_dtype == "bf16", Sampling(1.0)
     with torch.no_grad():
-        packed, _ = T.token_logprobs(model, mb["input_ids"], mb["position_ids"], sampling, bf16=bf16)
+        packed, _ = token_logprobs(model, mb["input_ids"], mb["position_ids"], sampling, bf16=bf16)
         alone = []
         for s in seqs:
             ids = torch.tensor(s["ids"], device=device)[None]
             positions = torch.arange(ids.shape[1], device=device)[None]
-            alone.append(T.token_logprobs(model, ids, positions, sampling, bf16=bf16)[0])
+            alone.append(token_logprobs(model, ids, positions, sampling, bf16=bf16)[0])
     mask = mb["loss_mask"].bool()
     diff = (packed[mask] - torch.cat(alone)[mask]).abs()
     return diff.max().item(), diff.mean().item()
@@ -175,7 +177,7 @@ def check_fsdp(config, device, seqs, budget) -> None:
         start = [q.detach().clone() for q in reference.parameters()]
         one_step(reference, seqs, args, device, torch.optim.SGD(reference.parameters(), lr=0.5))
         model = build_model(config, device)
-        T.shard_model(model, "bf16")
+        shard_model(model, "bf16")
         seen = []
         model.model.layers[0].mlp.down_proj.register_forward_pre_hook(
             lambda m, _: seen.append(m.weight.dtype)

@@ -10,7 +10,7 @@ what the loss did with them:
   trained   the model generated it (loss mask 1);
   tool      a tool result's text inside the suffix appended after a tool call (mask 0);
   template  the rest of that suffix: turn closer, role headers, <tool_response> tags (mask 0).
-The trainer tells the last two apart when it writes the row (train_async_grpo.tool_output_kinds: the
+The trainer tells the last two apart when it writes the row (metrics.tool_output_kinds: the
 template inserts each tool result verbatim, so the result's text is found in the rendered suffix).
 A toggle colours trained tokens by |Δ logprob| (trainer π_old vs vLLM's behaviour μ) or by the loss's IS
 weight min(π_old/μ, C); hovering a token shows its id, text and numbers. Tool calls and outputs fold

@@ -18,11 +18,12 @@ import torch
 from test_weight_sync import max_diff, weight_version  # what weight sync is tested with
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import train_async_grpo as T
+from batches import BatchTimeout, collect_groups
+from checkpoint import latest_checkpoint
 from envs import load_env
 from envs.data import load_rows
 from rollout import AsyncRolloutWorker, ChatTemplate, VLLMClient
-from vllm_server import free_port, group_pids, start_vllm_server
+from vllm_server import free_port, group_pids, healthy, start_vllm_server
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = REPO / "models" / "tiny-warm"
@@ -200,8 +201,8 @@ def test_reward_that_raises_drops_groups_and_names_the_cause(own_server):
             assert time.monotonic() < deadline and worker.alive, worker.stats
             time.sleep(0.2)
         args = SimpleNamespace(batch_timeout=1.0, max_staleness=1, keep_zero_variance=True)
-        with pytest.raises(T.BatchTimeout) as e:
-            T.collect_groups(worker, 2, 0, args, [own_server["server"].url], {"stop": False})
+        with pytest.raises(BatchTimeout) as e:
+            collect_groups(worker, 2, 0, args, [own_server["server"].url], {"stop": False})
     finally:
         worker.stop(timeout_s=5)
     assert worker.stats.groups_retried >= 2 and worker.stats.groups_done == 0
@@ -235,7 +236,7 @@ def test_sigint_stops_fast_with_a_checkpoint(own_server, tmp_path, delay_s):
     assert rc == 0 and "interrupted at step" in text, text[-3000:]
     step = max(steps_logged(out))
     assert (out / "checkpoints" / f"step_{step:06d}" / "trainer_state.pt").exists(), text[-3000:]
-    assert T.server_health([url])[url]  # a server we did not start is left running
+    assert healthy(url)  # a server we did not start is left running
 
 
 # The trainer with its optimizer update slowed down: after the 2nd update a marker file appears and the
@@ -281,7 +282,7 @@ def test_sigint_inside_the_optimizer_update_leaves_a_consistent_checkpoint(own_s
             proc.kill()
     text = log.read_text()
     assert rc == 0 and "interrupted at step" in text, text[-3000:]
-    ckpt = T.latest_checkpoint(out)
+    ckpt = latest_checkpoint(out)
     state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
     step = state["step"]
     assert ckpt.name == f"step_{step:06d}"

@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import train_async_grpo as T
+import distributed as T  # plan_devices (moved from train_async_grpo)
 from weight_sync import WeightSyncer, WeightSyncError, default_sync_host, route_source
 
 REPO = Path(__file__).resolve().parent.parent

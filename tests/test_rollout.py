@@ -971,7 +971,7 @@ def test_real_qwen3_thinking_with_parallel_calls_rescores_exactly(warm2_server):
 
 def test_reward_timeouts_reach_the_group_and_step_metrics(tokenizer, monkeypatch):
     from envs import verify
-    from train_async_grpo import rollout_metrics
+    from metrics import rollout_metrics
 
     monkeypatch.setattr(verify, "DEADLINE_S", 1.0)
     answers = iter(["2", "9^{9^{9^{9}}}", "(10^{10})!", "3"])

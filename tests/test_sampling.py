@@ -21,6 +21,7 @@ from sampling import (
     probe_server,
     processed_logits,
     request_seed,
+    rescore,
     token_logprobs_and_entropy,
 )
 from vllm_server import start_vllm_server
@@ -173,20 +174,10 @@ def test_probe_passes_a_vllm_mode_server_and_refuses_generation_config_auto(serv
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     sampling = Sampling(1.0, top_p=0.9, top_k=20)
 
-    def rescore(samples):
-        out = []
-        with torch.no_grad():
-            for s in samples:
-                ids = torch.tensor([s.prompt_ids + s.completion_ids])
-                logits = model(ids).logits[0, len(s.prompt_ids) - 1 : -1]
-                out.append(
-                    token_logprobs_and_entropy(logits, ids[0, len(s.prompt_ids) :], s.sampling)[0].tolist()
-                )
-        return out
-
-    def probe(url):
+    def probe(url):  # re-scored with the trainer's own function (fp32 on the CPU)
         run, bare = asyncio.run(probe_server(url, str(tiny_model), [PROMPT, PROMPT[:5]], sampling, seed=0))
-        return (run, rescore(run)), (bare, rescore(bare))
+        cpu = torch.device("cpu")
+        return (run, rescore(model, run, cpu, bf16=False)), (bare, rescore(model, bare, cpu, bf16=False))
 
     gaps = check_fidelity(plain.url, *probe(plain.url), low_precision=False)
     assert gaps["fidelity/max_abs_diff"] < 1e-3 and gaps["fidelity/bare_max_abs_diff"] < 1e-3

@@ -18,10 +18,14 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import train_async_grpo as T
+from batches import BatchTimeout, collate, collect_groups, pack, row_stream
+from checkpoint import param_checksum
+from distributed import describe_plan, init_distributed, plan_devices, shard_model
 from envs.sandbox import isolation_mode
+from metrics import rollout_metrics
 from records import RolloutCompletion, RolloutGroup, TurnRecord, group_metrics
 from rollout import ClientStats, WorkerStats
-from sampling import Sampling
+from sampling import Sampling, token_logprobs
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,16 +47,16 @@ def test_packed_logprobs_equal_per_sequence_logprobs(tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(0)
     seqs = [_seq(5, 9, gen), _seq(3, 4, gen), _seq(7, 12, gen)]
-    mb = T.collate(seqs, "cpu")
+    mb = collate(seqs, "cpu")
     assert mb["position_ids"][0].tolist() == [*range(14), *range(7), *range(19)]
     with torch.no_grad():
-        packed, entropy = T.token_logprobs(
+        packed, entropy = token_logprobs(
             model, mb["input_ids"], mb["position_ids"], Sampling(0.7), with_entropy=True
         )
         alone = []
         for s in seqs:
             ids = torch.tensor(s["ids"])[None]
-            lp, _ = T.token_logprobs(model, ids, torch.arange(ids.shape[1])[None], Sampling(0.7))
+            lp, _ = token_logprobs(model, ids, torch.arange(ids.shape[1])[None], Sampling(0.7))
             # Reference without our helper: plain forward, no position_ids, log_softmax at temperature.
             logits = model(ids).logits[0, :-1] / 0.7
             ref = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
@@ -66,7 +70,7 @@ def test_packed_logprobs_equal_per_sequence_logprobs(tiny_model):
 def test_pack_respects_the_token_budget():
     lens = [100, 30, 70, 250, 10, 60]
     seqs = [{"ids": [0] * n} for n in lens]
-    bins = T.pack(seqs, budget=128)
+    bins = pack(seqs, budget=128)
     assert sorted(i for b in bins for i in b) == list(range(len(lens)))
     for b in bins:
         assert sum(lens[i] for i in b) <= 128 or len(b) == 1  # an over-long sequence goes alone
@@ -93,8 +97,8 @@ def _args(drop_stale: bool = False, **kw):
 
 def test_batch_timeout_names_a_dead_worker_and_a_down_server():
     worker = _fake_worker(alive=False, groups_started=3, groups_failed=3, last_error="GenerationError: boom")
-    with pytest.raises(T.BatchTimeout) as e:
-        T.collect_groups(worker, 2, 0, _args(), ["http://127.0.0.1:9"], {"stop": False})
+    with pytest.raises(BatchTimeout) as e:
+        collect_groups(worker, 2, 0, _args(), ["http://127.0.0.1:9"], {"stop": False})
     msg = str(e.value)
     assert "rollout worker thread died" in msg
     assert "not healthy: http://127.0.0.1:9" in msg
@@ -104,8 +108,8 @@ def test_batch_timeout_names_a_dead_worker_and_a_down_server():
 def test_batch_timeout_names_a_server_kept_out_of_routing():
     worker = _fake_worker(alive=True)
     worker.client.down = {"http://127.0.0.1:7"}  # answers /health, but never re-synced
-    with pytest.raises(T.BatchTimeout) as e:
-        T.collect_groups(worker, 1, 0, _args(), [], {"stop": False})
+    with pytest.raises(BatchTimeout) as e:
+        collect_groups(worker, 1, 0, _args(), [], {"stop": False})
     assert "answer but are out of routing: http://127.0.0.1:7" in str(e.value)
 
 
@@ -114,13 +118,13 @@ def test_batch_timeout_says_all_rewards_were_equal_and_stale_groups_are_dropped(
     stale = SimpleNamespace(rewards=[0.0, 1.0], admitted_version=0, row={"_index": 1})
     worker = _fake_worker(alive=True, groups=[equal] * 3, groups_started=3, groups_done=3)
     t0 = time.monotonic()
-    with pytest.raises(T.BatchTimeout) as e:
-        T.collect_groups(worker, 1, 0, _args(), [], {"stop": False})
+    with pytest.raises(BatchTimeout) as e:
+        collect_groups(worker, 1, 0, _args(), [], {"stop": False})
     assert time.monotonic() - t0 < 10
     assert "all rewards equal in 3 groups" in str(e.value)
     worker = _fake_worker(alive=True, groups=[stale] * 2, groups_started=2, groups_done=2)
-    with pytest.raises(T.BatchTimeout) as e:
-        T.collect_groups(worker, 1, 5, _args(drop_stale=True), [], {"stop": False})  # trainer at version 5
+    with pytest.raises(BatchTimeout) as e:
+        collect_groups(worker, 1, 5, _args(drop_stale=True), [], {"stop": False})  # trainer at version 5
     assert "2 groups dropped as stale" in str(e.value)
 
 
@@ -144,20 +148,20 @@ def test_late_groups_are_trained_and_their_token_lags_counted_in_versions():
     dropped only with --drop-stale, and then the length ratio shows the bias."""
     late = _group(0, [(40, 0, 0), (40, 0, 1)])  # turn 2 spans a sync: lag from its oldest version
     fresh = _group(3, [(4, 3, 3), (4, 3, 3)])
-    kept, taken, dropped, _, _ = T.collect_groups(
+    kept, taken, dropped, _, _ = collect_groups(
         _fake_worker(True, [late, fresh]), 2, 3, _args(), [], {"stop": False}
     )
     assert kept == [late, fresh] and dropped == 0
-    m = T.rollout_metrics(kept, dropped, 0, taken, version=3)
+    m = rollout_metrics(kept, dropped, 0, taken, version=3)
     assert m["rollout/token_lag_max"] == 3 and m["rollout/token_lag_3"] == 80 / 88
     assert m["rollout/token_lag_0"] == 8 / 88 and m["rollout/token_lag_4plus"] == 0
     assert m["rollout/token_lag_mean"] == pytest.approx(240 / 88)
     assert m["rollout/trained_vs_admitted_len"] == 1.0 and m["rollout/staleness_max"] == 3
 
     worker = _fake_worker(True, [late, fresh, fresh])
-    kept, taken, dropped, _, _ = T.collect_groups(worker, 2, 3, _args(drop_stale=True), [], {"stop": False})
+    kept, taken, dropped, _, _ = collect_groups(worker, 2, 3, _args(drop_stale=True), [], {"stop": False})
     assert kept == [fresh, fresh] and dropped == 1
-    m = T.rollout_metrics(kept, dropped, 0, taken, version=3)
+    m = rollout_metrics(kept, dropped, 0, taken, version=3)
     assert m["rollout/dropped_stale"] == 1 and m["rollout/token_lag_max"] == 0
     assert m["rollout/admitted_len_mean"] == (80 + 16) / 6
     assert m["rollout/trained_vs_admitted_len"] == pytest.approx(4 / 16)
@@ -165,11 +169,11 @@ def test_late_groups_are_trained_and_their_token_lags_counted_in_versions():
 
 def test_row_stream_resumes_where_it_left_off():
     rows = [{"question": str(i)} for i in range(5)]
-    full = T.row_stream(rows, seed=3)
+    full = row_stream(rows, seed=3)
     first = [next(full) for _ in range(13)]
     assert sorted(r["question"] for r in first[:5]) == [str(i) for i in range(5)]  # an epoch is a permutation
     assert [r["_index"] for r in first] == list(range(13))
-    resumed = T.row_stream(rows, seed=3, start=7)
+    resumed = row_stream(rows, seed=3, start=7)
     assert [next(resumed) for _ in range(6)] == first[7:13]
 
 
@@ -220,7 +224,7 @@ def _cmd(out: Path, max_steps: int, *extra: str) -> list[str]:
 
 
 def _checksum(ckpt: Path) -> float:
-    return T.param_checksum(load_file(ckpt / "model.safetensors").items())
+    return param_checksum(load_file(ckpt / "model.safetensors").items())
 
 
 @pytest.mark.slow
@@ -316,7 +320,7 @@ def _one_sgd_step(
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if world_size > 1:
-        T.shard_model(model, compute_dtype)
+        shard_model(model, compute_dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     args = _step_args()
@@ -339,7 +343,7 @@ def _fsdp_rank(rank: int, world_size: int, port: int, model_dir: Path, seqs: lis
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))  # fmt: skip
-    assert T.init_distributed(0, 120)[:2] == (rank, world_size)
+    assert init_distributed(0, 120)[:2] == (rank, world_size)
     results = {
         (norm, n): _one_sgd_step(model_dir, seqs, rank, world_size, norm, n)
         for norm in ("token", "sequence")
@@ -371,7 +375,7 @@ def _reference_steps(model_dir: Path, seqs: list[dict], n_mini: int, loss_norm: 
 
     def logprobs(s):
         ids = torch.tensor(s["ids"])[None]
-        return T.token_logprobs(model, ids, torch.arange(ids.shape[1])[None], sampling)[0]
+        return token_logprobs(model, ids, torch.arange(ids.shape[1])[None], sampling)[0]
 
     with torch.no_grad():
         old = [logprobs(s) for s in seqs]
@@ -446,7 +450,7 @@ def test_two_fsdp_ranks_take_the_one_process_step(tmp_path, tiny_model):
     seqs = _seqs_for_ranks()
     for k in (0, 2, 4):
         seqs[k]["trace"] = k
-    assert len(T.pack(seqs, _step_args().micro_batch_tokens)) == 3
+    assert len(pack(seqs, _step_args().micro_batch_tokens)) == 3
     out = tmp_path / "rank0.pt"
     mp.spawn(_fsdp_rank, args=(2, free_port(), tiny_model, seqs, out), nprocs=2, join=True)
     two = torch.load(out, weights_only=False)
@@ -471,7 +475,7 @@ def test_two_fsdp_ranks_take_the_one_process_step(tmp_path, tiny_model):
     with torch.no_grad():
         for k, lp in traced.items():
             ids = torch.tensor(seqs[k]["ids"])[None]
-            alone, _ = T.token_logprobs(
+            alone, _ = token_logprobs(
                 model, ids, torch.arange(ids.shape[1])[None], T.sampling_of(_step_args())
             )
             torch.testing.assert_close(torch.tensor(lp)[1:], alone[1:], atol=1e-5, rtol=1e-5)
@@ -530,10 +534,10 @@ def test_bf16_compute_logprobs_match_fp32(tiny_model):
     every token (measured 0.006 max, 0.0016 mean on the tiny model)."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(0)
-    mb = T.collate([_seq(5, 9, gen), _seq(3, 4, gen), _seq(7, 12, gen)], "cpu")
+    mb = collate([_seq(5, 9, gen), _seq(3, 4, gen), _seq(7, 12, gen)], "cpu")
     with torch.no_grad():
-        fp32, _ = T.token_logprobs(model, mb["input_ids"], mb["position_ids"], Sampling(0.8))
-        bf16, _ = T.token_logprobs(model, mb["input_ids"], mb["position_ids"], Sampling(0.8), bf16=True)
+        fp32, _ = token_logprobs(model, mb["input_ids"], mb["position_ids"], Sampling(0.8))
+        bf16, _ = token_logprobs(model, mb["input_ids"], mb["position_ids"], Sampling(0.8), bf16=True)
     assert bf16.dtype == torch.float32 and not torch.equal(bf16, fp32)  # bf16 matmuls did run
     torch.testing.assert_close(bf16, fp32, atol=0.02, rtol=0)
 
@@ -587,7 +591,7 @@ def test_two_ranks_under_torchrun(tmp_path):
     ],
 )
 def test_device_plan_fits(num_gpus, ranks, vllm_gpus, tp, servers, rank_devices):
-    assert T.plan_devices(num_gpus, ranks, vllm_gpus, tp, launch_servers=True) == (servers, rank_devices)
+    assert plan_devices(num_gpus, ranks, vllm_gpus, tp, launch_servers=True) == (servers, rank_devices)
 
 
 @pytest.mark.parametrize(
@@ -616,16 +620,16 @@ def test_device_plan_fits(num_gpus, ranks, vllm_gpus, tp, servers, rank_devices)
 )
 def test_device_plan_that_does_not_fit_says_what_would(num_gpus, ranks, vllm_gpus, tp, says):
     with pytest.raises(ValueError) as e:
-        T.plan_devices(num_gpus, ranks, vllm_gpus, tp, launch_servers=True)
+        plan_devices(num_gpus, ranks, vllm_gpus, tp, launch_servers=True)
     assert says in str(e.value) and "\n" not in str(e.value)
 
 
 def test_device_plan_with_servers_given_by_url():
-    assert T.plan_devices(1, 1, None, 1, launch_servers=False) == ([], ["cuda:0"])
-    assert T.plan_devices(8, 8, None, 1, launch_servers=False) == ([], [f"cuda:{g}" for g in range(8)])
+    assert plan_devices(1, 1, None, 1, launch_servers=False) == ([], ["cuda:0"])
+    assert plan_devices(8, 8, None, 1, launch_servers=False) == ([], [f"cuda:{g}" for g in range(8)])
     with pytest.raises(ValueError, match="use --nproc-per-node ≤ 2"):
-        T.plan_devices(2, 4, None, 1, launch_servers=False)
-    line = T.describe_plan(8, ["0", "1"], ["cuda:2", "cuda:3"])
+        plan_devices(2, 4, None, 1, launch_servers=False)
+    line = describe_plan(8, ["0", "1"], ["cuda:2", "cuda:3"])
     assert line == (
         "device plan (8 GPU(s) visible): vLLM servers on GPU 0 | 1; trainer rank 0 → cuda:2, rank 1 → cuda:3"
     )

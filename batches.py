@@ -1,0 +1,188 @@
+"""The data side of a step: the endless row stream the rollout worker reads, the groups a step takes off
+the worker's queue (and why none came, when none did), and their sequences packed into padding-free
+micro-batches for the forward pass.
+"""
+
+import random
+import time
+
+import torch
+
+from vllm_server import healthy
+
+
+# ---------------------------------------------------------------------------------------------------
+# DATA: an endless shuffled stream of rows that can start anywhere
+# ---------------------------------------------------------------------------------------------------
+def row_stream(rows: list[dict], seed: int, start: int = 0):
+    """Row i of the stream is rows[perm_e[i % N]] with e = i // N and perm_e a seeded permutation per
+    epoch. Each row carries `_index` = its stream position (the checkpoint's dataset position)."""
+    n, i = len(rows), start
+    while True:
+        epoch = i // n
+        perm = list(range(n))
+        random.Random(seed * 1_000_003 + epoch).shuffle(perm)
+        for j in range(i % n, n):
+            yield {**rows[perm[j]], "_index": epoch * n + j}
+        i = (epoch + 1) * n
+
+
+# ---------------------------------------------------------------------------------------------------
+# BATCHES: wait for groups, drop stale ones, skip zero-variance ones, explain a timeout
+# ---------------------------------------------------------------------------------------------------
+class BatchTimeout(RuntimeError):
+    pass
+
+
+def explain_batch_timeout(
+    waited_s: float, have: int, need: int, worker_alive: bool, rows_exhausted: bool, stats, client_stats,
+    health: dict[str, bool], dropped_stale: int, skipped_equal: int, out_of_routing: set[str],
+) -> str:  # fmt: skip
+    """Why no batch came: the likeliest cause first, then every counter that bears on it."""
+    reasons = []
+    down = [u for u, ok in health.items() if not ok]
+    if not worker_alive:
+        reasons.append("the rollout worker thread died (see its traceback in the log above)")
+    if down:
+        reasons.append(f"vLLM server(s) not healthy: {', '.join(down)}")
+    if out_of_routing - set(down):
+        reasons.append(
+            f"vLLM server(s) answer but are out of routing: {', '.join(sorted(out_of_routing - set(down)))} "
+            "(not holding the trainer's weights; the lines above say why the re-sync failed)"
+        )
+    if rows_exhausted:
+        reasons.append("the dataset rows are exhausted")
+    if stats.groups_failed and stats.groups_failed >= stats.groups_done:
+        reasons.append(f"most groups failed ({stats.groups_failed}); last error: {stats.last_error}")
+    if skipped_equal and skipped_equal >= dropped_stale and skipped_equal > have:
+        reasons.append(
+            f"all rewards equal in {skipped_equal} groups (skipped as zero-variance: the task may be too "
+            "hard or too easy for this model; --keep-zero-variance trains on them anyway)"
+        )
+    if dropped_stale and dropped_stale > have:
+        reasons.append(
+            f"{dropped_stale} groups dropped as stale (raise --max-staleness, or leave out --drop-stale)"
+        )
+    if not reasons:
+        reasons.append("generation is slower than the timeout allows (raise --batch-timeout)")
+    return (
+        f"no batch after {waited_s:.0f} s ({have}/{need} groups): " + "; ".join(reasons) + ". Counters: "
+        f"groups started {stats.groups_started}, done {stats.groups_done}, retried {stats.groups_retried}, "
+        f"failed {stats.groups_failed}, discarded {stats.groups_discarded}; dropped stale {dropped_stale}, "
+        f"skipped equal-reward {skipped_equal}; requests {client_stats.requests}, "
+        f"retries {client_stats.retries}; servers {health}"
+    )
+
+
+def collect_groups(
+    worker,
+    num_groups: int,
+    version: int,
+    args,
+    urls: list[str],
+    stop_flag,
+    heal=None,
+    heal_every_s: float = 5.0,
+) -> tuple:
+    """Take groups off the queue until `num_groups` usable ones are in hand; while waiting, call `heal`
+    every `heal_every_s` (a server that went away may be back).
+
+    Returns (groups, taken, dropped_stale, skipped_equal, wait_s); `taken` is every group removed from
+    the queue (for the dataset position). Staleness = trainer version − version the group was admitted
+    at; a group above --max-staleness is trained (IS-corrected) unless --drop-stale."""
+    groups, taken, dropped, skipped = [], [], 0, 0
+    t0 = time.monotonic()
+    deadline, next_heal = t0 + args.batch_timeout, t0 + heal_every_s
+    while len(groups) < num_groups:
+        if stop_flag["stop"]:
+            raise KeyboardInterrupt
+        if heal is not None and time.monotonic() > next_heal:
+            heal()
+            next_heal = time.monotonic() + heal_every_s
+        try:
+            group = worker.queue.get(timeout=0.5)
+        except Exception:  # queue.Empty
+            if time.monotonic() > deadline or not worker.alive:
+                health = {u: healthy(u) for u in urls}
+                raise BatchTimeout(
+                    explain_batch_timeout(
+                        time.monotonic() - t0,
+                        len(groups),
+                        num_groups,
+                        worker.alive,
+                        worker.exhausted,
+                        worker.stats,
+                        worker.client.stats,
+                        health,
+                        dropped,
+                        skipped,
+                        worker.client.down,
+                    )  # fmt: skip
+                ) from None
+            continue
+        taken.append(group)
+        staleness = version - group.admitted_version
+        if args.drop_stale and staleness > args.max_staleness:
+            dropped += 1
+            worker.discard(1)
+        elif not args.keep_zero_variance and max(group.rewards) == min(group.rewards):
+            skipped += 1
+            worker.discard(1)
+        else:
+            group.staleness = staleness
+            groups.append(group)
+    return groups, taken, dropped, skipped, time.monotonic() - t0
+
+
+# ---------------------------------------------------------------------------------------------------
+# PACKING: sequences → micro-batches of one padding-free row each
+# ---------------------------------------------------------------------------------------------------
+def batch_sequences(groups) -> list[dict]:
+    """One dict per completion with per-token arrays over prompt + completion (mask 0 on the prompt)."""
+    seqs = []
+    for g in groups:
+        for c, adv in zip(g.completions, g.advantages):
+            n_p = len(g.prompt_ids)
+            seqs.append({
+                "ids": g.prompt_ids + c.completion_ids,
+                "mask": [0] * n_p + c.loss_mask,
+                "behaviour": [0.0] * n_p + c.behaviour_logprobs,
+                "advantage": float(adv),
+            })  # fmt: skip
+    return seqs
+
+
+def pack(seqs: list[dict], budget: int) -> list[list[int]]:
+    """First-fit decreasing: indices of sequences per micro-batch, each ≤ `budget` tokens (a longer
+    sequence goes alone)."""
+    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]["ids"]))
+    bins: list[list[int]] = []
+    sizes: list[int] = []
+    for i in order:
+        n = len(seqs[i]["ids"])
+        for b, size in enumerate(sizes):
+            if size + n <= budget:
+                bins[b].append(i)
+                sizes[b] += n
+                break
+        else:
+            bins.append([i])
+            sizes.append(n)
+    return bins
+
+
+def collate(seqs: list[dict], device) -> dict[str, torch.Tensor]:
+    """One packed row. Per-token arrays are aligned with `input_ids`; position j's logprob is predicted
+    at j − 1, and the first token of every sequence is a prompt token (mask 0), so the shift never
+    trains across a sequence boundary."""
+    cat = lambda key, dtype: torch.tensor([x for s in seqs for x in s[key]], dtype=dtype, device=device)  # noqa: E731
+    return {
+        "input_ids": cat("ids", torch.long)[None],  # (1, T)
+        "position_ids": torch.cat([torch.arange(len(s["ids"])) for s in seqs]).to(device)[None],  # (1, T)
+        "loss_mask": cat("mask", torch.float32),  # (T,)
+        "behaviour": cat("behaviour", torch.float32),  # (T,)
+        "advantages": torch.tensor(
+            [s["advantage"] for s in seqs for _ in s["ids"]], dtype=torch.float32, device=device
+        ),  # (T,)
+        "seq_index": torch.tensor([k for k, s in enumerate(seqs) for _ in s["ids"]], device=device),  # (T,)
+    }

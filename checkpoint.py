@@ -1,0 +1,84 @@
+"""The checkpoint format: <output_dir>/checkpoints/step_NNNNNN/ holds the model in save_pretrained form
+(with the tokenizer) and trainer_state.pt (optimizer state keyed by parameter name, scheduler, RNG
+states, step, model version, dataset position, the run's arguments). The same files whatever the number
+of ranks. Written to a temp dir and renamed, so a kill -9 leaves either the old or the new one.
+"""
+
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+
+
+def save_checkpoint(
+    out_dir: Path, model, tokenizer, optimizer, scheduler, state: dict, rank: int = 0
+) -> Path:
+    """Model in save_pretrained form, optimizer state keyed by parameter name (the same files for any
+    number of ranks). Under FSDP every rank calls this (the full state is gathered to rank 0's CPU) and
+    only rank 0 writes."""
+    final = out_dir / "checkpoints" / f"step_{state['step']:06d}"
+    if dist.is_initialized():
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(model, options=opts)  # {} on ranks other than 0
+        optim = get_optimizer_state_dict(model, optimizer, options=opts)
+    else:
+        weights, optim = None, get_optimizer_state_dict(model, optimizer)
+    if rank != 0:
+        return final
+    tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, state_dict=weights)
+    tokenizer.save_pretrained(tmp)
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    torch.save(
+        {"optimizer": optim, "scheduler": scheduler.state_dict(), "rng": rng, **state},
+        tmp / "trainer_state.pt",
+    )
+    if final.exists():  # re-saving the same step (e.g. after a resume that trained nothing)
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    return final
+
+
+def latest_checkpoint(out_dir: Path) -> Path | None:
+    ckpts = sorted((out_dir / "checkpoints").glob("step_*"))
+    return ckpts[-1] if ckpts else None
+
+
+def param_checksum(named_tensors) -> float:
+    """A float fingerprint of the weights (sum of |w| · (k+1) over sorted names) for resume checks."""
+    total = 0.0
+    for k, (_, t) in enumerate(sorted(named_tensors, key=lambda kv: kv[0])):
+        total += float(t.detach().double().abs().sum()) * (k + 1)
+    return total
+
+
+def load_checkpoint(ckpt: Path, model, optimizer, scheduler, rank: int = 0, world_size: int = 1):
+    """Restore the optimizer, scheduler and RNG states of `ckpt` (the model is loaded from it with
+    from_pretrained); returns (step, model version, dataset position). Under FSDP rank 0's copy of the
+    optimizer state is scattered into the shards."""
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    if world_size > 1:  # rank 0's copy, scattered into the shards
+        set_optimizer_state_dict(
+            model, optimizer, state["optimizer"] if rank == 0 else {},
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+        )  # fmt: skip
+    else:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    if torch.cuda.is_available() and "cuda" in state["rng"]:
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    return state["step"], state["model_version"], state["dataset_position"]

@@ -1,0 +1,51 @@
+"""Held-out evaluation (--eval-every): greedy (temperature 0) rollouts of the held-out rows through the
+same servers and the same tool loop as training, while training rollouts keep running. Returns the eval/
+metrics of one metrics.jsonl line.
+"""
+
+import asyncio
+
+from rollout import RolloutContext, VLLMClient, tool_loop_rollout
+from sampling import Sampling
+
+
+async def evaluate(
+    urls, model_name, template, make_episode, rows, args, expected_version
+) -> dict[str, float]:
+    """Greedy (temperature 0) rollouts of held-out rows with the same tool loop as training."""
+    client = VLLMClient(
+        urls,
+        model_name,
+        max_inflight=32,
+        request_timeout_s=args.batch_timeout,
+        expected_version=expected_version,
+    )
+    await client.open()
+    ctx = RolloutContext(
+        client=client, template=template, sampling=Sampling(temperature=0.0).request_fields(),
+        max_turns=args.max_turns, max_calls_per_turn=args.max_calls_per_turn,
+        max_context=args.max_context, version=lambda: 0,
+        tool_semaphore=asyncio.Semaphore(args.sandbox_workers),
+    )  # fmt: skip
+
+    async def one(row):
+        ep = make_episode(row)
+        comp = await tool_loop_rollout(ctx, ep, template.prompt_ids(ep.messages))
+        # Off the event loop: a reward check may take up to envs.verify.DEADLINE_S.
+        reward = await asyncio.to_thread(ep.reward, comp.messages, comp.tool_calls)
+        return float(reward), len(comp.tool_calls), getattr(ep, "reward_timeouts", 0)
+
+    try:
+        results = await asyncio.gather(*(one(r) for r in rows), return_exceptions=True)
+    finally:
+        await client.close()
+    ok = [r for r in results if not isinstance(r, BaseException)]
+    if not ok:
+        return {"eval/accuracy": float("nan"), "eval/tool_call_rate": float("nan"), "eval/failed": len(rows)}
+    return {
+        "eval/accuracy": sum(r >= 1.0 for r, _, _ in ok) / len(ok),
+        "eval/tool_call_rate": sum(n > 0 for _, n, _ in ok) / len(ok),
+        "eval/tool_calls_per_completion": sum(n for _, n, _ in ok) / len(ok),
+        "eval/failed": float(len(rows) - len(ok)),
+        "eval/reward_timeouts": float(sum(t for _, _, t in ok)),
+    }
