@@ -1,6 +1,13 @@
 """The data side of a step: the endless row stream the rollout worker reads, the groups a step takes off
 the worker's queue (and why none came, when none did), and their sequences packed into padding-free
 micro-batches for the forward pass.
+
+Packing: every micro-batch is ONE row of concatenated sequences (no padding) whose position_ids restart
+at 0 for each sequence. With `use_cache=False` and no attention_mask, transformers (≥ 4.54) detects the
+restarts and builds a block-diagonal causal mask (sdpa, eager) or varlen boundaries (flash-attention), so
+sequences do not see each other; tests/test_train.py checks that packed logprobs equal
+one-sequence-at-a-time logprobs. The mask is (T × T) per micro-batch on sdpa: keep
+`--micro-batch-tokens` a few thousand.
 """
 
 import random

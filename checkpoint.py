@@ -2,6 +2,13 @@
 (with the tokenizer) and trainer_state.pt (optimizer state keyed by parameter name, scheduler, RNG
 states, step, model version, dataset position, the run's arguments). The same files whatever the number
 of ranks. Written to a temp dir and renamed, so a kill -9 leaves either the old or the new one.
+
+Resume: rows are shuffled with the seed (a new permutation each epoch) and read as one endless stream;
+the checkpoint stores the stream position just after the last row whose group the trainer took off the
+queue. Rows still in flight at that moment and before it are not revisited (a few rows lost, none
+trained twice). The rollout worker starts at the resumed version. metrics.jsonl is appended to, so
+steps a killed run logged after its last checkpoint appear twice; scripts/plot_metrics.py keeps the
+last line per step.
 """
 
 import os
@@ -82,3 +89,19 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler, rank: int = 0, worl
     if torch.cuda.is_available() and "cuda" in state["rng"]:
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])
     return state["step"], state["model_version"], state["dataset_position"]
+
+
+def resume_from(
+    ckpt: Path | None, model, optimizer, scheduler, rank: int, world_size: int, loaded_checksum: float | None
+) -> tuple[int, int, int]:
+    """(step, model version, dataset position): (0, 0, 0) for a fresh run, else `ckpt`'s
+    (load_checkpoint), printed with the checksum of the weights loaded from it."""
+    if ckpt is None:
+        return 0, 0, 0
+    step, version, position = load_checkpoint(ckpt, model, optimizer, scheduler, rank, world_size)
+    print(
+        f"resumed from {ckpt} at step {step}, model version {version}, dataset position {position} "
+        f"(param checksum {loaded_checksum!r})",
+        flush=True,
+    )
+    return step, version, position

@@ -1,6 +1,7 @@
 """Held-out evaluation (--eval-every): greedy (temperature 0) rollouts of the held-out rows through the
 same servers and the same tool loop as training, while training rollouts keep running. Returns the eval/
-metrics of one metrics.jsonl line.
+metrics of one metrics.jsonl line. The trainer runs it at the start (a step-0 line with only eval/ keys,
+before rollouts begin; not on resume), every --eval-every steps and at the last step.
 """
 
 import asyncio

@@ -149,6 +149,17 @@ def perf_metrics(
 # A completions.jsonl row holds at most this many completion tokens (token arrays and "text"; the rest
 # is counted in "tokens_dropped"), tool results of at most 1000 characters and prompt messages of at most
 # 2000: with ≈ 50 bytes of JSON per token a row stays under ~250 KB.
+def rollout_counters(ws, cs) -> str:
+    """The shutdown's stderr line: what the rollout worker (`ws`, rollout.WorkerStats) and its client
+    (`cs`, rollout.ClientStats) counted over the run."""
+    return (
+        f"rollout counters: groups started {ws.groups_started}, done {ws.groups_done}, retried "
+        f"{ws.groups_retried}, failed {ws.groups_failed}, discarded {ws.groups_discarded}; "
+        f"servers taken out {cs.servers_down}, back {cs.servers_readmitted}; "
+        f"requests {cs.requests}, retries {cs.retries}"
+    )
+
+
 MAX_LOGGED_TOKENS = 4096
 
 
@@ -165,6 +176,15 @@ def logged_completions(groups) -> list[tuple[int, int, int]]:
                 chosen.append((gi, ci, first_seq + ci))
         first_seq += len(g.completions)
     return chosen
+
+
+def mark_logged(groups, seqs: list[dict], step: int, every: int) -> list[tuple[int, int, int]]:
+    """The completions written to completions.jsonl this step (every `every` steps and the first one);
+    their sequences get a "trace" key, so that train_step returns their logprobs."""
+    logged = logged_completions(groups) if (step + 1) % every == 0 or step == 0 else []
+    for _, _, i in logged:
+        seqs[i]["trace"] = i
+    return logged
 
 
 def keep_traced(traced: dict[int, list[float]], mb_seqs: list[dict], logprobs: torch.Tensor) -> None:

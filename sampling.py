@@ -241,7 +241,7 @@ def probe_fidelity(
     """Before the first step every server samples a few short completions with the run's settings, and
     the trainer re-scores them; FidelityError (naming the server, the gap and the likely causes) when they
     disagree. Under FSDP every rank joins the re-scoring forwards (rank 0 broadcasts the samples; the
-    others answer in train_async_grpo.follow_rank0). `bf16`: either side computes in bf16."""
+    others answer in trainer.follow_rank0). `bf16`: either side computes in bf16."""
     worst: dict[str, float] = {}
     for url in urls:
         run, bare = asyncio.run(probe_server(url, model_name, prompts, sampling, seed))

@@ -64,42 +64,22 @@ Choices a reader should know before the code (see loss.py for the loss's own dep
   - Logprobs are those of the distribution vLLM samples from (logits / T, then top-k / top-p
     truncation and renormalization: sampling.py), matching vLLM's processed logprobs. Every request
     states every sampling field, and a start-up probe refuses a server that samples otherwise.
-  - Packing: every micro-batch is ONE row of concatenated sequences (no padding) whose position_ids
-    restart at 0 for each sequence. With `use_cache=False` and no attention_mask, transformers (≥ 4.54)
-    detects the restarts and builds a block-diagonal causal mask (sdpa, eager) or varlen boundaries
-    (flash-attention), so sequences do not see each other; tests/test_train.py checks that packed
-    logprobs equal one-sequence-at-a-time logprobs. The mask is (T × T) per micro-batch on sdpa: keep
-    `--micro-batch-tokens` a few thousand.
+  - Packing: every micro-batch is ONE row of concatenated sequences, no padding (batches.py says how
+    they stay apart); keep `--micro-batch-tokens` a few thousand (sdpa's mask is T × T).
   - train/mismatch_kl is k3 KL(μ ‖ π_old) over the whole batch; all micro-batches are before the update.
   - Accuracy = share of completions with reward ≥ 1 (the envs give exactly 1.0 for a correct answer).
-  - Answers are checked in a small pool of worker processes (envs/verify.py), `--reward-timeout`
-    seconds each; an overrun is killed, scored wrong and counted (rollout/ and eval/reward_timeouts).
-  - Evaluation (`--eval-every`) is greedy (temperature 0) on the held-out split through the same servers
-    and the same tool loop, while training rollouts keep running; also at the start (a step-0 line in
-    metrics.jsonl with only eval/ keys, before rollouts begin; not on resume) and at the last step.
-  - Resume: rows are shuffled with the seed (a new permutation each epoch) and read as one endless
-    stream; the checkpoint stores the stream position just after the last row whose group the trainer
-    took off the queue. Rows still in flight at that moment and before it are not revisited (a few
-    rows lost, none trained twice). The rollout worker starts at the resumed version.
-    metrics.jsonl is appended to, so steps a killed run logged after its last checkpoint appear twice;
-    scripts/plot_metrics.py keeps the last line per step.
-  - A server that dies or restarts does not stop the run (`heal`): the client stops routing to it, a
-    weight sync it fails is reported and the others get it; a server launched here is relaunched; once
-    a server answers without our weight version (a restart says "default") it gets a new transfer group
-    and the current weights, and only then does the client route to it again. The run stops (with a
-    checkpoint) only if no batch comes within --batch-timeout.
-  - Ctrl-C and SIGTERM are deferred once the servers are up: the run stops between steps, never inside
-    an optimizer step, a weight sync or a checkpoint write.
-  - Shutdown (end, Ctrl-C, SIGTERM, exception): stop the rollout worker → final checkpoint (also after a
-    batch timeout, which strikes between steps; not after an exception mid-step) → release the
-    weight-sync group → stop the servers. Launched servers' process groups are in
-    <output_dir>/vllm-logs/servers.json for cleanup after a kill -9.
+  - Evaluation (`--eval-every`, evaluate.py) is greedy, at the start (not on resume), every N steps and
+    at the last step, while training rollouts keep running.
+  - Resume (checkpoint.py): the row stream goes on just after the last row the trainer took; rows in
+    flight then are not revisited (a few lost, none trained twice).
+  - Faults: a server that dies or restarts does not stop the run (`heal`); Ctrl-C and SIGTERM are
+    deferred once the servers are up, so the run stops between steps; the run stops (with a checkpoint)
+    only if no batch comes within --batch-timeout (`shutdown`).
 """
 
 import argparse
 import asyncio
 import functools
-import inspect
 import json
 import math
 import os
@@ -113,38 +93,26 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from batches import BatchTimeout, batch_sequences, collate, collect_groups, pack, row_stream
-from checkpoint import latest_checkpoint, load_checkpoint, param_checksum, save_checkpoint
-from distributed import (
-    broadcast_message,
-    gather_traced,
-    place_ranks,
-    rank_micro_batches,
-    reduce_over_ranks,
-    shard_model,
-)
-from envs import ENVS, load_env, verify
+from batches import BatchTimeout, batch_sequences, collect_groups, row_stream
+from checkpoint import latest_checkpoint, resume_from, save_checkpoint
+from distributed import broadcast_message, place_ranks
+from envs import ENVS, episode_maker, verify
 from envs.confine import ROLLOUT_CPUS_ENV, parse_cpus
 from envs.data import load_rows
 from evaluate import evaluate
-from loss import grpo_loss
 from metrics import (
     NoTracker,
-    keep_traced,
-    logged_completions,
     make_tracker,
+    mark_logged,
     perf_metrics,
+    rollout_counters,
     rollout_metrics,
     write_completions,
 )
-from rollout import (
-    AsyncRolloutWorker,
-    ChatTemplate,
-    VLLMClient,
-)
-from sampling import FidelityError, Sampling, probe_fidelity, rescore, token_logprobs
+from rollout import AsyncRolloutWorker, ChatTemplate, VLLMClient
+from sampling import FidelityError, probe_fidelity
+from trainer import follow_rank0, load_models, load_tokenizer, sampling_of, sync_weights, train_step
 from vllm_server import relaunch_exited, served_model_name, write_servers_file
 
 # fmt: off
@@ -158,43 +126,33 @@ parser.add_argument("--chat-template", default=None, help="jinja file replacing 
 parser.add_argument("--output-dir", default="runs/latest", help="metrics, trajectories, checkpoints")
 parser.add_argument("--seed", type=int, default=0, help="seeds torch, python and the row shuffle")
 # Rollouts
-parser.add_argument("--vllm-url", action="append", default=None,
-                    help="a running vLLM server (repeatable); none = launch our own")
+parser.add_argument("--vllm-url", action="append", help="running vLLM server (repeatable); none: launch ours")
 parser.add_argument("--sync-host", default=None,
                     help="address of this host the servers dial to join the weight sync (default: this "
                          "host's end of the route to the first non-local server; 127.0.0.1 if all are local)")
-parser.add_argument("--vllm-gpus", type=int, default=None,
-                    help="GPUs 0..K-1 for launched servers (default: every GPU the trainer ranks leave; "
-                         "CPU: one server)")
+parser.add_argument("--vllm-gpus", type=int,
+                    help="GPUs 0..K-1 for launched servers (default: those the ranks leave; CPU: one)")
 parser.add_argument("--vllm-tp", type=int, default=1, help="GPUs per launched server (tensor parallel)")
 parser.add_argument("--server-timeout", type=float, default=600.0, help="start-up limit for launched servers")
-parser.add_argument("--batch-timeout", type=float, default=600.0,
-                    help="seconds to wait for one batch of groups before failing with the reason")
+parser.add_argument("--batch-timeout", type=float, default=600.0, help="seconds to wait for a batch")
 parser.add_argument("--prompts-per-step", type=int, default=8, help="groups (prompts) per optimizer step")
 parser.add_argument("--num-generations", type=int, default=8, help="completions per prompt (G)")
-parser.add_argument("--max-staleness", type=int, default=1,
-                    help="versions the worker may admit ahead of the trainer (0 = sync); see --drop-stale")
+parser.add_argument("--max-staleness", type=int, default=1, help="versions admitted ahead (0 = sync)")
 parser.add_argument("--drop-stale", action="store_true",
-                    help="drop groups that lag more than --max-staleness versions when trained (biased: "
-                         "drops the slowest, i.e. longest, episodes); default: keep them, IS-corrected")
-parser.add_argument("--rollout-cpus", default=None,
-                    help="CPUs for the rollout thread and its tool/reward processes, e.g. '0' or '2-7'; "
-                         "the trainer keeps the others (default: no pinning)")
+                    help="drop groups over --max-staleness when trained (biased against long episodes)")
+parser.add_argument("--rollout-cpus",
+                    help="CPUs for the rollout thread, its tools and rewards ('2-7'); default: no pinning")
 parser.add_argument("--max-turns", type=int, default=4, help="assistant messages per completion")
-parser.add_argument("--max-calls-per-turn", type=int, default=1,
-                    help="hermes parallel calls: a turn continues after </tool_call> up to this many calls")
+parser.add_argument("--max-calls-per-turn", type=int, default=1, help="hermes parallel tool calls per turn")
 parser.add_argument("--max-context", type=int, default=2048, help="prompt + completion tokens, hard cap")
 parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (also for logprobs)")
 parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (trained exactly)")
 parser.add_argument("--top-k", type=int, default=0, help="top-k sampling, 0 = off (trained exactly)")
 parser.add_argument("--sandbox-workers", type=int, default=8, help="concurrent tool (sandbox) processes")
 parser.add_argument("--unsafe-sandbox", action="store_true",
-                    help="run tools even where the sandbox cannot stop network access, reading the trainer's "
-                    "environment or signalling it (README: Sandbox)")
-parser.add_argument("--reward-timeout", type=float, default=verify.DEADLINE_S,
-                    help="seconds per answer check; an overrun is killed and scored wrong")
-parser.add_argument("--keep-zero-variance", action="store_true",
-                    help="train on groups whose rewards are all equal (default: skip them)")
+                    help="run tools even where the sandbox cannot confine them (README: Sandbox)")
+parser.add_argument("--reward-timeout", type=float, default=verify.DEADLINE_S, help="seconds per answer")
+parser.add_argument("--keep-zero-variance", action="store_true", help="train on all-equal-reward groups")
 # GRPO loss
 parser.add_argument("--eps-low", type=float, default=0.2, help="lower clip: ratio ≥ 1 − eps_low")
 parser.add_argument("--eps-high", type=float, default=0.28, help="upper clip: ratio ≤ 1 + eps_high (DAPO)")
@@ -210,24 +168,19 @@ parser.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weigh
 parser.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up steps")
 parser.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine"], help="after warm-up")
 parser.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient-norm clip")
-parser.add_argument("--compute-dtype", default=None, choices=["bf16", "fp32"],
-                    help="forward/backward dtype over fp32 weights and optimizer state "
-                         "(default: bf16 on GPU, fp32 on CPU)")
+parser.add_argument("--compute-dtype", choices=["bf16", "fp32"],
+                    help="forward/backward dtype over fp32 weights (default: bf16 on GPU, fp32 on CPU)")
 parser.add_argument("--micro-batch-tokens", type=int, default=4096, help="packed tokens per forward pass")
-parser.add_argument("--mini-batches", type=int, default=1,
-                    help="optimizer steps per rollout batch, one per 1/N of it (> 1 makes the clip live)")
-parser.add_argument("--sync-every", type=int, default=1,
-                    help="push weights to vLLM every N steps; one model version = N steps")
+parser.add_argument("--mini-batches", type=int, default=1, help="optimizer steps per batch (> 1: live clip)")
+parser.add_argument("--sync-every", type=int, default=1, help="weight sync every N steps (a model version)")
 # Logging and checkpoints
 parser.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (and at the end)")
-parser.add_argument("--resume", nargs="?", const="latest", default=None,
-                    help="continue from a checkpoint dir, or (no value) the latest in --output-dir")
-parser.add_argument("--eval-every", type=int, default=0,
-                    help="evaluate at start, every N steps and at the end (0 = never)")
+parser.add_argument("--resume", nargs="?", const="latest", help="checkpoint dir; bare: --output-dir's latest")
+parser.add_argument("--eval-every", type=int, default=0, help="evaluate at start, every N steps, at the end")
 parser.add_argument("--eval-limit", type=int, default=64, help="held-out rows per evaluation")
 parser.add_argument("--log-completions-every", type=int, default=10, help="write trajectories every N steps")
 parser.add_argument("--report-to", default="none", choices=["none", "tensorboard", "wandb", "trackio"],
-                    help="experiment tracker (only if installed)")
+                    help="experiment tracker (if installed)")
 # fmt: on
 
 
@@ -287,147 +240,7 @@ def check_args(args: argparse.Namespace) -> None:
                 parser.error(f"--vllm-url must start with http:// or https://, got {u}")
 
 
-def sampling_of(args: argparse.Namespace) -> Sampling:
-    return Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-
-
-# ---------------------------------------------------------------------------------------------------
-# TRAIN STEP: every rank holds the whole batch and trains on its share of the micro-batches
-# ---------------------------------------------------------------------------------------------------
-def train_step(
-    model, ref_model, optimizer, scheduler, seqs, args, rank, world_size, device, traced: dict | None = None
-) -> dict:
-    """Forward/backward over this rank's packed micro-batches, then a clipped AdamW step: once per
-    mini-batch (--mini-batches N splits the batch's sequences into N; N = 1 is one step on the whole
-    batch). The loss denominators count the whole mini-batch (all its micro-batches, all ranks); FSDP
-    averages gradients over ranks, so each rank's loss is scaled by world_size and the update is the
-    one-process update. π_old: with N = 1 the forward's own logprobs, detached (the ratio is 1 and the
-    clip inert); with N > 1 one no-grad pass before the first step, so later mini-batches are clipped
-    against the policy that existed before the update. The scheduler steps once per call.
-    Returns the train/ metrics of the whole batch (fractions over all its tokens; loss and grad norm
-    the mean over mini-batches). Sequences carrying a "trace" key (the completions logged this step) get
-    their π_old (detached) in `traced` on rank 0, keyed by it."""
-    # bf16 compute over fp32 weights: autocast runs the matmuls in bf16, the gradients land on the fp32
-    # parameters, AdamW updates fp32 (a 1e-6 step is far below half a bf16 ulp: bf16 weights would not
-    # move). Under FSDP2 the MixedPrecisionPolicy (shard_model) casts the gathered weights as well.
-    bf16 = args.compute_dtype == "bf16"
-    n_mini = getattr(args, "mini_batches", 1)
-    minis = [seqs[j * len(seqs) // n_mini : (j + 1) * len(seqs) // n_mini] for j in range(n_mini)]
-    mini_bins = [pack(mini, args.micro_batch_tokens) for mini in minis]
-    old: list[list[torch.Tensor | None]] = [[None] * -(-len(b) // world_size) for b in mini_bins]
-    if n_mini > 1:
-        with torch.no_grad():
-            for j, (mini, bins) in enumerate(zip(minis, mini_bins)):
-                for i, mb_seqs in enumerate(rank_micro_batches(mini, bins, rank, world_size)):
-                    mb = collate(mb_seqs, device)
-                    old[j][i], _ = token_logprobs(
-                        model, mb["input_ids"], mb["position_ids"], sampling_of(args), bf16=bf16
-                    )
-    sums: dict[str, float] = {}
-    maxima = {"is_ratio_max": 0.0}
-    grad_norms, lr = [], scheduler.get_last_lr()[0]
-    traced_here: dict[int, list[float]] = {}
-    for mini, bins, mini_old in zip(minis, mini_bins, old):
-        total_tokens = float(sum(sum(s["mask"]) for s in mini))
-        num_sequences = float(sum(1 for s in mini if sum(s["mask"]) > 0))
-        mini_sums: dict[str, float] = {}
-        optimizer.zero_grad(set_to_none=True)
-        for mb_seqs, mb_old in zip(rank_micro_batches(mini, bins, rank, world_size), mini_old):
-            mb = collate(mb_seqs, device)
-            logprobs, entropy = token_logprobs(
-                model, mb["input_ids"], mb["position_ids"], sampling_of(args), with_entropy=True, bf16=bf16
-            )
-            ref = None
-            if ref_model is not None:
-                with torch.no_grad():
-                    ref, _ = token_logprobs(
-                        ref_model, mb["input_ids"], mb["position_ids"], sampling_of(args), bf16=bf16
-                    )
-            loss, m = grpo_loss(
-                logprobs, logprobs.detach() if mb_old is None else mb_old, mb["behaviour"], mb["advantages"],
-                mb["loss_mask"], mb["seq_index"], eps_low=args.eps_low, eps_high=args.eps_high,
-                is_cap=args.is_cap, loss_norm=args.loss_norm, total_tokens=max(total_tokens, 1.0),
-                num_sequences=max(num_sequences, 1.0), ref_logprobs=ref, kl_beta=args.kl_beta,
-                entropy=entropy,
-            )  # fmt: skip
-            (loss * world_size).backward()
-            keep_traced(traced_here, mb_seqs, logprobs if mb_old is None else mb_old)
-            mini_sums["loss"] = mini_sums.get("loss", 0.0) + loss.item()
-            for k, v in m.items():
-                if k == "is_ratio_max":
-                    maxima[k] = max(maxima[k], v.item())
-                else:
-                    mini_sums[k] = mini_sums.get(k, 0.0) + v.item()
-        mini_sums, maxima = reduce_over_ranks(mini_sums, maxima, world_size, device)
-        for k, v in mini_sums.items():
-            sums[k] = sums.get(k, 0.0) + v
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        grad_norm = (
-            grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        )  # FSDP: DTensor
-        grad_norms.append(grad_norm.item())
-        optimizer.step()
-    scheduler.step()
-    if any("trace" in s for s in seqs):
-        gathered = gather_traced(traced_here, world_size)
-        if traced is not None:
-            traced.update(gathered)
-    ntok = max(sums.get("tokens", 0.0), 1.0)
-    return {
-        "train/loss": sums["loss"] / n_mini,
-        "train/clip_low_frac": sums["clip_low"] / ntok,
-        "train/clip_high_frac": sums["clip_high"] / ntok,
-        "train/is_ratio_mean": sums["is_ratio"] / ntok,
-        "train/is_ratio_max": maxima["is_ratio_max"],
-        "train/is_capped_frac": sums["is_capped"] / ntok,
-        "train/mismatch_kl": sums["mismatch_kl"] / ntok,
-        "train/entropy": sums["entropy"] / ntok,
-        "train/kl_ref": sums.get("kl_ref", 0.0) / ntok,
-        "train/grad_norm": sum(grad_norms) / n_mini,
-        "train/lr": lr,
-        "train/loss_tokens": sums.get("tokens", 0.0),
-        "train/micro_batches": float(sum(len(b) for b in mini_bins)),
-        "train/optimizer_steps": float(n_mini),
-    }
-
-
-# ---------------------------------------------------------------------------------------------------
-# RANKS: rank 0 runs the loop and sends each step's work as a message; the others follow it
-# ---------------------------------------------------------------------------------------------------
-def sync_weights(syncer, model, version: int, world_size: int = 1, urls: list[str] | None = None) -> dict:
-    """Push the trainer's weights into every joined server (or those of `urls`), tagged with `version`
-    (the one call site). Rank 0 first tells the other ranks to join the gathers of the FSDP shards."""
-    if syncer.rank == 0:
-        broadcast_message({"sync": version}, world_size)
-    metrics = syncer.sync(model.named_parameters(), version=version, urls=urls)
-    return {k: float(v) for k, v in metrics.items() if k.startswith("sync/")}
-
-
-def follow_rank0(model, ref_model, optimizer, scheduler, tokenizer, args, out_dir, rank, world_size, device):
-    """Ranks other than 0: do what rank 0's messages say (train on a batch, join the gathers of a weight
-    sync or a checkpoint) until it says stop. They never see a server, a queue or a metric."""
-    from weight_sync import WeightSyncer
-
-    syncer = WeightSyncer([], backend="nccl" if device.type == "cuda" else "gloo", rank=rank)  # gathers only
-    while True:
-        message = broadcast_message(None, world_size)
-        if "batch" in message:
-            train_step(
-                model, ref_model, optimizer, scheduler, message["batch"], args, rank, world_size, device
-            )
-        elif "sync" in message:
-            sync_weights(syncer, model, message["sync"])
-        elif "rescore" in message:
-            rescore(model, message["rescore"], device, args.compute_dtype == "bf16")
-        elif "save" in message:
-            save_checkpoint(out_dir, model, tokenizer, optimizer, scheduler, message["save"], rank)
-        else:  # {"stop": True}
-            return
-
-
-# ---------------------------------------------------------------------------------------------------
-# SET-UP STEPS: each reads the arguments it names and returns what the run holds
-# ---------------------------------------------------------------------------------------------------
+# SET-UP STEPS: each reads the arguments it names and returns what the run holds -----------------------------
 def checkpoint_to_resume(resume: str | None, out_dir: Path) -> Path | None:
     """--resume: the checkpoint it names, or (no value) the latest in --output-dir; None without it."""
     if resume is None:
@@ -453,55 +266,6 @@ def pin_rollout_cpus(args: argparse.Namespace) -> None:
     os.environ[ROLLOUT_CPUS_ENV] = args.rollout_cpus
 
 
-def episode_maker(args: argparse.Namespace, rank: int):
-    """(make_episode, the sandbox/ line of the first step's metrics). An env whose episodes run tools
-    gets a sandbox; a sandbox that cannot confine them here stops the run unless --unsafe-sandbox."""
-    env = load_env(args.env)
-    if "sandbox" not in inspect.signature(env.make_episode).parameters:
-        return env.make_episode, {}
-    from envs.sandbox import Sandbox, isolation_gaps, isolation_mode
-
-    if rank == 0:
-        print(f"sandbox isolation: {isolation_mode()}", flush=True)
-    if isolation_gaps() and not args.unsafe_sandbox:
-        sys.exit(
-            f"sandbox isolation {isolation_mode()!r} cannot stop {', '.join(isolation_gaps())} here "
-            "(it needs root with CAP_SYS_ADMIN, user namespaces, or seccomp with Landlock); "
-            "pass --unsafe-sandbox to accept the risk"
-        )
-    make_episode = functools.partial(env.make_episode, sandbox=Sandbox(args.sandbox_workers))
-    return make_episode, {"sandbox/mode": isolation_mode()}
-
-
-def load_models(args: argparse.Namespace, ckpt: Path | None, device: torch.device, world_size: int):
-    """(model, frozen reference model or None, param checksum of the loaded checkpoint or None).
-    fp32 weights and optimizer state whatever the compute dtype (see train_step); FSDP2 over ranks."""
-    model = AutoModelForCausalLM.from_pretrained(ckpt or args.model, dtype=torch.float32).to(device)
-    model.train()
-    if device.type == "cuda":
-        model.gradient_checkpointing_enable()
-    loaded_checksum = param_checksum(model.named_parameters()) if ckpt is not None else None
-    ref_model = None
-    if args.kl_beta > 0:
-        ref_dtype = torch.bfloat16 if args.compute_dtype == "bf16" else torch.float32  # frozen: no masters
-        ref_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=ref_dtype).to(device).eval()
-        ref_model.requires_grad_(False)
-    if world_size > 1:
-        shard_model(model, args.compute_dtype)
-        if ref_model is not None:
-            shard_model(ref_model, args.compute_dtype)
-    return model, ref_model, loaded_checksum
-
-
-def load_tokenizer(args: argparse.Namespace, ckpt: Path | None, episode) -> tuple[object, ChatTemplate]:
-    """(tokenizer, chat template): the checkpoint's or the model's tokenizer, --chat-template if given,
-    and the tools of `episode` (an env's tools are the same for every row)."""
-    tokenizer = AutoTokenizer.from_pretrained(ckpt or args.model)
-    if args.chat_template:
-        tokenizer.chat_template = Path(args.chat_template).read_text()
-    return tokenizer, ChatTemplate(tokenizer, tools=getattr(episode, "tools", None))
-
-
 def lr_lambda(step: int, warmup: int, total: int, schedule: str) -> float:
     if step < warmup:
         return (step + 1) / (warmup + 1)
@@ -520,9 +284,7 @@ def make_optimizer(model, args: argparse.Namespace):
     return optimizer, scheduler
 
 
-# ---------------------------------------------------------------------------------------------------
-# THE RUN (rank 0): what the loop advances, and what a checkpoint, a heal and the shutdown need
-# ---------------------------------------------------------------------------------------------------
+# THE RUN (rank 0): what the loop advances, and what a checkpoint, a heal and the shutdown need --------------
 @dataclass
 class Run:
     args: argparse.Namespace
@@ -555,10 +317,12 @@ def save(run: Run) -> Path:
 
 
 def heal(run: Run, push: bool = True) -> None:
-    """Bring servers back into the run. Our own that exited are relaunched (same port, base weights).
-    Any server that answers without our weights (restarted, or failed a sync) gets a new transfer group
-    and, unless a sync to all follows at once (`push=False`), the current weights; the client routes to
-    it again once it reports our version. A failure is retried next call."""
+    """Bring servers back into the run: one that dies or restarts does not stop it (the client stops
+    routing to it; a sync it fails is reported, the others get it). Our own that exited are relaunched
+    (same port, base weights). Any server that answers without our weights (restarted, or failed a
+    sync) gets a new transfer group and, unless a sync to all follows at once (`push=False`), the
+    current weights; the client routes to it again once it reports our version. A failure is retried
+    next call."""
     from weight_sync import WeightSyncError
 
     relaunch_exited(run.servers, run.out_dir / "vllm-logs" / "servers.json")
@@ -627,25 +391,13 @@ def start_rollouts(
         num_generations=args.num_generations, groups_per_version=args.prompts_per_step * args.sync_every,
         max_staleness=args.max_staleness, max_turns=args.max_turns, max_context=args.max_context,
         max_calls_per_turn=args.max_calls_per_turn, sampling=sampling_of(args).request_fields(),
-        seed=args.seed,
-        max_concurrent_tools=args.sandbox_workers, scale_rewards=not args.no_scale_rewards,
+        seed=args.seed, max_concurrent_tools=args.sandbox_workers, scale_rewards=not args.no_scale_rewards,
         start_version=run.version,
     )  # fmt: skip
     return urls, model_name, fidelity
 
 
-# ---------------------------------------------------------------------------------------------------
-# LOOP STEPS
-# ---------------------------------------------------------------------------------------------------
-def mark_logged(groups, seqs: list[dict], step: int, every: int) -> list[tuple[int, int, int]]:
-    """The completions written to completions.jsonl this step (every `every` steps and the first one);
-    their sequences get a "trace" key, so that train_step returns their logprobs."""
-    logged = logged_completions(groups) if (step + 1) % every == 0 or step == 0 else []
-    for _, _, i in logged:
-        seqs[i]["trace"] = i
-    return logged
-
-
+# LOOP STEPS -------------------------------------------------------------------------------------------------
 def sync_if_due(run: Run) -> dict[str, float]:
     """Every --sync-every steps: a new model version, pushed into the servers; the worker admits by it.
     A server that fails is left out (named on stderr, counted) and brought back by `heal` once it
@@ -663,6 +415,27 @@ def sync_if_due(run: Run) -> dict[str, float]:
         sync["sync/servers_failed"] = float(len(run.syncer.failed))
         run.worker.set_version(run.version)
     return sync
+
+
+def stop_between_steps(world_size: int) -> dict:
+    """{"stop": False}, set once SIGTERM (and, under torchrun, Ctrl-C) comes: rank 0 stops between two
+    steps, never inside a collective, then tells the other ranks, which ignore both signals (torchrun
+    SIGKILLs them if rank 0 dies). One process defers Ctrl-C once its servers are up (start_rollouts)."""
+    stop_flag = {"stop": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop_flag.update(stop=True))
+    if world_size > 1:
+        signal.signal(signal.SIGINT, lambda *_: stop_flag.update(stop=True))
+    return stop_flag
+
+
+def evaluate_at_start(run: Run, eval_args: tuple) -> None:
+    """The step-0 line of metrics.jsonl: eval/ keys only, before any rollout competes for the servers."""
+    t_eval = time.monotonic()
+    start = asyncio.run(evaluate(*eval_args))
+    start.update({"step": 0, "model_version": run.version, "perf/eval_s": time.monotonic() - t_eval})
+    run.metrics_file.write(json.dumps(start) + "\n")
+    run.metrics_file.flush()
+    print(f"eval at start: {json.dumps(start)}", flush=True)
 
 
 def log_step(run: Run, metrics: dict, text_fields: dict, groups, logged, traced: dict) -> None:
@@ -685,19 +458,13 @@ def log_step(run: Run, metrics: dict, text_fields: dict, groups, logged, traced:
 
 def shutdown(run: Run, exc: BaseException | None) -> None:
     """Stop the worker → final checkpoint (also after a batch timeout, which strikes between steps; not
-    after an exception mid-step) → release the other ranks and the sync group → stop the servers."""
+    after an exception mid-step) → release the other ranks and the sync group → stop the servers. (After
+    a kill -9, <output_dir>/vllm-logs/servers.json names the launched servers' process groups.)"""
     if run.bar is not None:
         run.bar.close()
     if run.worker is not None:
         run.worker.stop(timeout_s=10.0)
-        ws, cs = run.worker.stats, run.worker.client.stats
-        print(
-            f"rollout counters: groups started {ws.groups_started}, done {ws.groups_done}, retried "
-            f"{ws.groups_retried}, failed {ws.groups_failed}, discarded {ws.groups_discarded}; "
-            f"servers taken out {cs.servers_down}, back {cs.servers_readmitted}; "
-            f"requests {cs.requests}, retries {cs.retries}",
-            file=sys.stderr, flush=True,
-        )  # fmt: skip
+        print(rollout_counters(run.worker.stats, run.worker.client.stats), file=sys.stderr, flush=True)
     # A batch that never came or a failed weight sync strikes between steps, when the model and
     # optimizer are whole: save, like an interrupted run. An exception mid-step saves nothing.
     between_steps = exc is None or isinstance(exc, (KeyboardInterrupt, BatchTimeout))
@@ -723,9 +490,7 @@ def main(argv: list[str] | None = None) -> None:
     verify.DEADLINE_S = args.reward_timeout
     check_args(args)
 
-    # -----------------------------------------------------------------------------------------------
-    # SETUP
-    # -----------------------------------------------------------------------------------------------
+    # SET-UP ------------------------------------------------------------------------------------------
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ckpt = checkpoint_to_resume(args.resume, out_dir)
@@ -740,26 +505,15 @@ def main(argv: list[str] | None = None) -> None:
         )  # fmt: skip
     except ValueError as e:
         parser.error(str(e))
-    make_episode, sandbox_mode = episode_maker(args, rank)  # sandbox_mode: logged on the first step
+    # sandbox_mode: the sandbox/ keys of the first step's metrics line
+    make_episode, sandbox_mode = episode_maker(args.env, args.sandbox_workers, args.unsafe_sandbox, rank)
     rows = load_rows(args.dataset)
     eval_rows = load_rows(args.eval_dataset, split="test")[: args.eval_limit] if args.eval_every else []
     tokenizer, template = load_tokenizer(args, ckpt, make_episode(rows[0]))
-    model, ref_model, loaded_checksum = load_models(args, ckpt, device, world_size)
+    model, ref_model, ckpt_checksum = load_models(args, ckpt, device, world_size)
     optimizer, scheduler = make_optimizer(model, args)
-    step, version, position = 0, 0, 0
-    if ckpt is not None:
-        step, version, position = load_checkpoint(ckpt, model, optimizer, scheduler, rank, world_size)
-        print(
-            f"resumed from {ckpt} at step {step}, model version {version}, dataset position {position} "
-            f"(param checksum {loaded_checksum!r})",
-            flush=True,
-        )
-    stop_flag = {"stop": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop_flag.update(stop=True))
-    if world_size > 1:
-        # Ctrl-C and SIGTERM stop rank 0 between two steps, never inside a collective; it then tells
-        # the other ranks, which ignore both signals (torchrun SIGKILLs them if rank 0 dies).
-        signal.signal(signal.SIGINT, lambda *_: stop_flag.update(stop=True))
+    step, version, position = resume_from(ckpt, model, optimizer, scheduler, rank, world_size, ckpt_checksum)
+    stop_flag = stop_between_steps(world_size)
     if rank != 0:
         follow_rank0(
             model, ref_model, optimizer, scheduler, tokenizer, args, out_dir, rank, world_size, device
@@ -775,25 +529,16 @@ def main(argv: list[str] | None = None) -> None:
 
     refused = False
     try:
-        # -------------------------------------------------------------------------------------------
-        # START ROLLOUTS: servers, weight sync group, fidelity probe, the worker thread
-        # -------------------------------------------------------------------------------------------
+        # START ROLLOUTS: servers, weight sync group, fidelity probe, the worker thread -------------
         urls, model_name, fidelity = start_rollouts(run, server_gpus, template, make_episode, rows, device)
         expected_version = run.worker.client.expected_version
         eval_args = (urls, model_name, template, make_episode, eval_rows, args, expected_version)
         if args.eval_every and run.step == 0:  # the start, before any rollout competes for the server
-            t_eval = time.monotonic()
-            start = asyncio.run(evaluate(*eval_args))
-            start.update({"step": 0, "model_version": run.version, "perf/eval_s": time.monotonic() - t_eval})
-            run.metrics_file.write(json.dumps(start) + "\n")
-            run.metrics_file.flush()
-            print(f"eval at start: {json.dumps(start)}", flush=True)
+            evaluate_at_start(run, eval_args)
         run.worker.start()
         run.tracker = make_tracker(args.report_to, out_dir, vars(args))
 
-        # -------------------------------------------------------------------------------------------
-        # TRAIN LOOP
-        # -------------------------------------------------------------------------------------------
+        # TRAIN LOOP --------------------------------------------------------------------------------
         run.bar = tqdm(total=args.max_steps, initial=run.step, desc="grpo", dynamic_ncols=True)
         t_last, request_s = time.monotonic(), run.worker.stats.request_seconds
         while run.step < args.max_steps:
@@ -847,9 +592,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"weight sync: {e}", file=sys.stderr, flush=True)
         refused = True
     finally:
-        # -------------------------------------------------------------------------------------------
-        # SHUTDOWN: stop admitting → stop the worker → release the sync group → stop the servers
-        # -------------------------------------------------------------------------------------------
+        # SHUTDOWN: stop admitting → stop the worker → release the sync group → stop the servers ----
         shutdown(run, sys.exc_info()[1])
     if refused:
         sys.exit(1)

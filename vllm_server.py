@@ -1,6 +1,7 @@
 """Start and stop real vLLM OpenAI-compatible servers — the one launcher the train script, tests,
 benchmarks and `make serve` share — and the server side of a run: the one health check (`healthy`), the
-servers file a kill -9 leaves for cleanup, and the relaunch of a launched server that exited.
+servers file a kill -9 leaves for cleanup, and the relaunch of a launched server that exited; also this
+host's addresses (a free port, our end of the route to a server on another host).
 
     python vllm_server.py --model models/tiny            # serve until Ctrl-C
     python vllm_server.py --model models/tiny --host 0.0.0.0   # for a trainer on another host
@@ -13,6 +14,7 @@ logprobs the ones the sampler used (after temperature), which is what the GRPO l
 
 import argparse
 import atexit
+import ipaddress
 import json
 import os
 import signal
@@ -30,10 +32,31 @@ import torch
 _live_servers: list["VLLMServer"] = []
 
 
+# ADDRESSES of this host: a free port for a server or a transfer group, the address a peer reaches us at
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def is_loopback(host: str) -> bool:  # ValueError, one line, for a name that does not resolve
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except OSError as e:
+        raise ValueError(f"cannot resolve host {host!r}: {e}") from None
+
+
+def route_source(host: str) -> str:
+    """This host's address on the route to `host`: the address `host` can reach us at. 127.0.0.1 for a
+    loopback `host`. A UDP connect() only picks the route; nothing is sent."""
+    if is_loopback(host):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((socket.gethostbyname(host), 9))
+        except OSError as e:
+            raise ValueError(f"no route from this host to {host}: {e}") from None
+        return s.getsockname()[0]
 
 
 def group_pids(pgid: int) -> list[int]:

@@ -7,11 +7,10 @@
         syncer.join([url]); syncer.sync(model.named_parameters(), version=step, urls=[url])
     syncer.close()
 
-One protocol for both transports: vLLM's own weight-transfer HTTP routes (`VLLM_SERVER_DEV_MODE=1`).
-`/init_weight_transfer_engine` once, then per sync
-
-    /pause?mode=keep -> /start_weight_update -> /update_weights (while the trainer broadcasts)
-    -> /finish_weight_update -> /update_weight_version -> /resume
+One protocol for both transports: vLLM's own weight-transfer HTTP routes (`VLLM_SERVER_DEV_MODE=1`),
+`/init_weight_transfer_engine` once, then per sync `/pause?mode=keep` -> `/start_weight_update` ->
+`/update_weights` (while the trainer broadcasts) -> `/finish_weight_update` -> `/update_weight_version`
+-> `/resume`.
 
 `/update_weights` blocks inside the server until its workers have received every tensor, so it runs
 on a thread while the trainer broadcasts. The trainer is rank 0. gloo: one group per server (its
@@ -40,9 +39,8 @@ CPU the tied lm_head re-packed after each sync (see `_repack_cpu_embedding_gemms
 """
 
 import datetime
-import ipaddress
 import json
-import socket
+import math
 import sys
 import threading
 import time
@@ -57,7 +55,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from vllm_server import healthy
+from vllm_server import healthy, is_loopback, route_source
 
 DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024  # gloo sends one buffer per bucket; bigger = fewer round trips
 
@@ -74,11 +72,9 @@ class WeightSyncError(RuntimeError):
 def gloo_group(
     host: str, port: int, rank: int, world_size: int, timeout_s: float
 ) -> tuple[dist.TCPStore, dist.ProcessGroupGloo]:
-    """Join a gloo group through a TCPStore that rank 0 hosts. Blocks until all ranks have joined.
-
-    No global `init_process_group`: the trainer may have its own default group (FSDP) and the vLLM
-    worker has its own, so this group stands alone. The store must outlive the group: keep both.
-    """
+    """Join a gloo group through a TCPStore that rank 0 hosts; blocks until all ranks have joined. No
+    global `init_process_group`: the trainer (FSDP) and the vLLM worker have their own default groups,
+    so this one stands alone. The store must outlive the group: keep both."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(
         host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
@@ -91,33 +87,13 @@ def gloo_group(
     return store, dist.ProcessGroupGloo(store, rank, world_size, options)
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except OSError as e:
-        raise ValueError(f"cannot resolve host {host!r}: {e}") from None
-
-
-def route_source(host: str) -> str:
-    """This host's address on the route to `host`: the address `host` can reach us at. 127.0.0.1 for a
-    loopback `host`. A UDP connect() only picks the route; nothing is sent."""
-    if _is_loopback(host):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((socket.gethostbyname(host), 9))
-        except OSError as e:
-            raise ValueError(f"no route from this host to {host}: {e}") from None
-        return s.getsockname()[0]
-
-
 def default_sync_host(urls: list[str]) -> str:
     """The rendezvous address the servers dial to join the transfer groups: this host's end of the
     route to the first server on another host; 127.0.0.1 when every server is local (one route is
     assumed to serve them all: pass --sync-host where it does not). Raises ValueError, one line."""
     for url in urls:
         host = urllib.parse.urlparse(url).hostname or ""
-        if not _is_loopback(host):
+        if not is_loopback(host):
             return route_source(host)
     return "127.0.0.1"
 
@@ -128,20 +104,13 @@ def plan_buckets(shapes: list[list[int]], dtypes: list[torch.dtype], bucket_byte
     buckets: list[list[int]] = []
     size = 0
     for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
-        nbytes = _numel(shape) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         if not buckets or size + nbytes > bucket_bytes:
             buckets.append([])
             size = 0
         buckets[-1].append(i)
         size += nbytes
     return buckets
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _to_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -151,7 +120,6 @@ def _to_bytes(t: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------
 # WORKER SIDE: the gloo engine, registered at import, and the extension class that gets us imported
 # ---------------------------------------------------------------------------------------------------
-
 try:
     from vllm.distributed.weight_transfer.base import (
         WeightTransferEngine,
@@ -200,12 +168,9 @@ if HAVE_VLLM:
             # The same rank arithmetic as vLLM's NCCL engine (worker_init_process_group).
             rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
             self.bucket_bytes = init_info.bucket_bytes
+            info = init_info
             self.store, self.group = gloo_group(
-                init_info.master_address,
-                init_info.master_port,
-                rank,
-                init_info.world_size,
-                init_info.timeout_s,
+                info.master_address, info.master_port, rank, info.world_size, info.timeout_s
             )
 
         def start_weight_update(self) -> None:
@@ -229,7 +194,7 @@ if HAVE_VLLM:
             dtypes = [getattr(torch, d) for d in update_info.dtype_names]
             try:
                 for bucket in plan_buckets(update_info.shapes, dtypes, self.bucket_bytes):
-                    sizes = [_numel(update_info.shapes[i]) * dtypes[i].itemsize for i in bucket]
+                    sizes = [math.prod(update_info.shapes[i]) * dtypes[i].itemsize for i in bucket]
                     buf = torch.empty(sum(sizes), dtype=torch.uint8)
                     self.group.broadcast(buf, 0).wait()
                     # Views of `buf`: the layerwise loader may hold them until the layer is complete.
@@ -349,16 +314,11 @@ def _run_with_timeout(fn, timeout_s: float, what: str):
 class WeightSyncer:
     """Trainer-side client: owns the transfer group(s) with the server workers, and the version.
 
-    gloo: one group per server (trainer rank 0, that server's workers ranks 1..), so a dead server
-    breaks only its own group and the others still get the whole sync; the trainer posts each bucket
-    to every group at once, which costs what one gloo broadcast to all would (gloo's broadcast sends
-    one copy per peer either way). nccl: one group over all servers, as vLLM's own trainer engine does
-    (NCCL relays through its ring/tree), so a failure there fails the sync for every server, a sync
-    always goes to every member (`urls` is widened: a collective over a server outside the sync would
-    hang), and a member that fails before the broadcast fails the sync with no collective at all.
-
-    A server that fails a sync leaves its group; once it answers again (restarted, or alive all along)
-    `out_of_step` names it, `join([url])` gives it a new group and `sync(..., urls=[url])` the weights.
+    gloo: posting each bucket to every server's group at once costs what one gloo broadcast to all
+    would (it sends one copy per peer either way). nccl: the one group means a failure there fails the
+    sync for every server, a sync always goes to every member (`urls` is widened: a collective over a
+    server outside the sync would hang), and a member that fails before the broadcast fails the sync
+    with no collective at all.
 
     `rank` is the trainer rank under FSDP: only rank 0 talks to the servers and broadcasts; the other
     ranks call `sync` too, so the `full_tensor()` gathers (collectives) stay in step.
@@ -423,11 +383,8 @@ class WeightSyncer:
         if urls:
             self._form_groups(urls, sizes, free_port)
         if dead:
-            raise WeightSyncError(
-                "init: "
-                + "; ".join(f"{u} {m}" for u, m in dead.items())
-                + f" (joined: {', '.join(urls) or 'none'})"
-            )
+            detail = "; ".join(f"{u} {m}" for u, m in dead.items())
+            raise WeightSyncError(f"init: {detail} (joined: {', '.join(urls) or 'none'})")
 
     def _form_groups(self, urls: list[str], sizes: dict[str, int], free_port) -> None:
         if self.backend == "nccl":
@@ -495,12 +452,8 @@ class WeightSyncer:
         return [u for u in stale if u in self.groups]
 
     def _worker_init_info(self, port: int, rank_offset: int, world_size: int) -> dict:
-        info = dict(
-            master_address=self.master_address,
-            master_port=port,
-            rank_offset=rank_offset,
-            world_size=world_size,
-        )
+        info = dict(master_address=self.master_address, master_port=port, rank_offset=rank_offset)
+        info["world_size"] = world_size
         if self.backend == "nccl":
             # vLLM's NCCL engine in packed mode; `_send` uses vLLM's matching packed producer.
             return info | dict(packed=True, packed_buffer_size_bytes=self.bucket_bytes, packed_num_buffers=2)
@@ -563,11 +516,8 @@ class WeightSyncer:
                     ok.remove(u)
                     failed[u] = f"{phase}: {msg}"
 
-        def phase(path: str, body: dict | None = None, name: str | None = None) -> None:
-            drop(
-                _call_all(ok, path, [body] * len(ok), self.http_timeout_s),
-                name or path.strip("/").split("?")[0],
-            )
+        def phase(path: str, body: dict | None = None) -> None:
+            drop(_call_all(ok, path, [body] * len(ok), self.http_timeout_s), path.strip("/").split("?")[0])
 
         t0 = time.perf_counter()
         phase("/pause?mode=keep")

@@ -26,7 +26,8 @@ import torch
 from safetensors.torch import load_file
 
 import distributed as T  # plan_devices (moved from train_async_grpo)
-from weight_sync import WeightSyncer, WeightSyncError, default_sync_host, route_source
+from vllm_server import route_source
+from weight_sync import WeightSyncer, WeightSyncError, default_sync_host
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = REPO / "models" / "tiny-warm"

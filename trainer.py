@@ -1,0 +1,186 @@
+"""The trainer's model, on every rank: loading it (fp32 masters, a frozen reference for --kl-beta,
+FSDP2 over ranks) and its tokenizer; `train_step` (one update over this rank's packed micro-batches,
+then clipped AdamW); and the messages rank 0 sends the others (`follow_rank0`): train on a batch, join
+the gathers of a weight sync, a re-score or a checkpoint. train_async_grpo.py decides when each happens.
+"""
+
+import argparse
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from batches import collate, pack
+from checkpoint import param_checksum, save_checkpoint
+from distributed import broadcast_message, gather_traced, rank_micro_batches, reduce_over_ranks, shard_model
+from loss import grpo_loss
+from metrics import keep_traced
+from rollout import ChatTemplate
+from sampling import Sampling, rescore, token_logprobs
+
+
+def sampling_of(args: argparse.Namespace) -> Sampling:
+    return Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+
+
+def load_models(args: argparse.Namespace, ckpt: Path | None, device: torch.device, world_size: int):
+    """(model, frozen reference model or None, param checksum of the loaded checkpoint or None).
+    fp32 weights and optimizer state whatever the compute dtype (see train_step); FSDP2 over ranks."""
+    model = AutoModelForCausalLM.from_pretrained(ckpt or args.model, dtype=torch.float32).to(device)
+    model.train()
+    if device.type == "cuda":
+        model.gradient_checkpointing_enable()
+    loaded_checksum = param_checksum(model.named_parameters()) if ckpt is not None else None
+    ref_model = None
+    if args.kl_beta > 0:
+        ref_dtype = torch.bfloat16 if args.compute_dtype == "bf16" else torch.float32  # frozen: no masters
+        ref_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=ref_dtype).to(device).eval()
+        ref_model.requires_grad_(False)
+    if world_size > 1:
+        shard_model(model, args.compute_dtype)
+        if ref_model is not None:
+            shard_model(ref_model, args.compute_dtype)
+    return model, ref_model, loaded_checksum
+
+
+# ---------------------------------------------------------------------------------------------------
+# TRAIN STEP: every rank holds the whole batch and trains on its share of the micro-batches
+# ---------------------------------------------------------------------------------------------------
+def train_step(
+    model, ref_model, optimizer, scheduler, seqs, args, rank, world_size, device, traced: dict | None = None
+) -> dict:
+    """Forward/backward over this rank's packed micro-batches, then a clipped AdamW step: once per
+    mini-batch (--mini-batches N splits the batch's sequences into N; N = 1 is one step on the whole
+    batch). The loss denominators count the whole mini-batch (all its micro-batches, all ranks); FSDP
+    averages gradients over ranks, so each rank's loss is scaled by world_size and the update is the
+    one-process update. π_old: with N = 1 the forward's own logprobs, detached (the ratio is 1 and the
+    clip inert); with N > 1 one no-grad pass before the first step, so later mini-batches are clipped
+    against the policy that existed before the update. The scheduler steps once per call.
+    Returns the train/ metrics of the whole batch (fractions over all its tokens; loss and grad norm
+    the mean over mini-batches). Sequences carrying a "trace" key (the completions logged this step) get
+    their π_old (detached) in `traced` on rank 0, keyed by it."""
+    # bf16 compute over fp32 weights: autocast runs the matmuls in bf16, the gradients land on the fp32
+    # parameters, AdamW updates fp32 (a 1e-6 step is far below half a bf16 ulp: bf16 weights would not
+    # move). Under FSDP2 the MixedPrecisionPolicy (shard_model) casts the gathered weights as well.
+    bf16 = args.compute_dtype == "bf16"
+    n_mini = getattr(args, "mini_batches", 1)
+    minis = [seqs[j * len(seqs) // n_mini : (j + 1) * len(seqs) // n_mini] for j in range(n_mini)]
+    mini_bins = [pack(mini, args.micro_batch_tokens) for mini in minis]
+    old: list[list[torch.Tensor | None]] = [[None] * -(-len(b) // world_size) for b in mini_bins]
+    if n_mini > 1:
+        with torch.no_grad():
+            for j, (mini, bins) in enumerate(zip(minis, mini_bins)):
+                for i, mb_seqs in enumerate(rank_micro_batches(mini, bins, rank, world_size)):
+                    mb = collate(mb_seqs, device)
+                    old[j][i], _ = token_logprobs(
+                        model, mb["input_ids"], mb["position_ids"], sampling_of(args), bf16=bf16
+                    )
+    sums: dict[str, float] = {}
+    maxima = {"is_ratio_max": 0.0}
+    grad_norms, lr = [], scheduler.get_last_lr()[0]
+    traced_here: dict[int, list[float]] = {}
+    for mini, bins, mini_old in zip(minis, mini_bins, old):
+        total_tokens = float(sum(sum(s["mask"]) for s in mini))
+        num_sequences = float(sum(1 for s in mini if sum(s["mask"]) > 0))
+        mini_sums: dict[str, float] = {}
+        optimizer.zero_grad(set_to_none=True)
+        for mb_seqs, mb_old in zip(rank_micro_batches(mini, bins, rank, world_size), mini_old):
+            mb = collate(mb_seqs, device)
+            logprobs, entropy = token_logprobs(
+                model, mb["input_ids"], mb["position_ids"], sampling_of(args), with_entropy=True, bf16=bf16
+            )
+            ref = None
+            if ref_model is not None:
+                with torch.no_grad():
+                    ref, _ = token_logprobs(
+                        ref_model, mb["input_ids"], mb["position_ids"], sampling_of(args), bf16=bf16
+                    )
+            loss, m = grpo_loss(
+                logprobs, logprobs.detach() if mb_old is None else mb_old, mb["behaviour"], mb["advantages"],
+                mb["loss_mask"], mb["seq_index"], eps_low=args.eps_low, eps_high=args.eps_high,
+                is_cap=args.is_cap, loss_norm=args.loss_norm, total_tokens=max(total_tokens, 1.0),
+                num_sequences=max(num_sequences, 1.0), ref_logprobs=ref, kl_beta=args.kl_beta,
+                entropy=entropy,
+            )  # fmt: skip
+            (loss * world_size).backward()
+            keep_traced(traced_here, mb_seqs, logprobs if mb_old is None else mb_old)
+            mini_sums["loss"] = mini_sums.get("loss", 0.0) + loss.item()
+            for k, v in m.items():
+                if k == "is_ratio_max":
+                    maxima[k] = max(maxima[k], v.item())
+                else:
+                    mini_sums[k] = mini_sums.get(k, 0.0) + v.item()
+        mini_sums, maxima = reduce_over_ranks(mini_sums, maxima, world_size, device)
+        for k, v in mini_sums.items():
+            sums[k] = sums.get(k, 0.0) + v
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        grad_norm = (
+            grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        )  # FSDP: DTensor
+        grad_norms.append(grad_norm.item())
+        optimizer.step()
+    scheduler.step()
+    if any("trace" in s for s in seqs):
+        gathered = gather_traced(traced_here, world_size)
+        if traced is not None:
+            traced.update(gathered)
+    ntok = max(sums.get("tokens", 0.0), 1.0)
+    return {
+        "train/loss": sums["loss"] / n_mini,
+        "train/clip_low_frac": sums["clip_low"] / ntok,
+        "train/clip_high_frac": sums["clip_high"] / ntok,
+        "train/is_ratio_mean": sums["is_ratio"] / ntok,
+        "train/is_ratio_max": maxima["is_ratio_max"],
+        "train/is_capped_frac": sums["is_capped"] / ntok,
+        "train/mismatch_kl": sums["mismatch_kl"] / ntok,
+        "train/entropy": sums["entropy"] / ntok,
+        "train/kl_ref": sums.get("kl_ref", 0.0) / ntok,
+        "train/grad_norm": sum(grad_norms) / n_mini,
+        "train/lr": lr,
+        "train/loss_tokens": sums.get("tokens", 0.0),
+        "train/micro_batches": float(sum(len(b) for b in mini_bins)),
+        "train/optimizer_steps": float(n_mini),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# RANKS: rank 0 runs the loop and sends each step's work as a message; the others follow it
+# ---------------------------------------------------------------------------------------------------
+def sync_weights(syncer, model, version: int, world_size: int = 1, urls: list[str] | None = None) -> dict:
+    """Push the trainer's weights into every joined server (or those of `urls`), tagged with `version`
+    (the one call site). Rank 0 first tells the other ranks to join the gathers of the FSDP shards."""
+    if syncer.rank == 0:
+        broadcast_message({"sync": version}, world_size)
+    metrics = syncer.sync(model.named_parameters(), version=version, urls=urls)
+    return {k: float(v) for k, v in metrics.items() if k.startswith("sync/")}
+
+
+def follow_rank0(model, ref_model, optimizer, scheduler, tokenizer, args, out_dir, rank, world_size, device):
+    """Ranks other than 0: do what rank 0's messages say (train on a batch, join the gathers of a weight
+    sync or a checkpoint) until it says stop. They never see a server, a queue or a metric."""
+    from weight_sync import WeightSyncer
+
+    syncer = WeightSyncer([], backend="nccl" if device.type == "cuda" else "gloo", rank=rank)  # gathers only
+    while True:
+        message = broadcast_message(None, world_size)
+        if "batch" in message:
+            train_step(
+                model, ref_model, optimizer, scheduler, message["batch"], args, rank, world_size, device
+            )
+        elif "sync" in message:
+            sync_weights(syncer, model, message["sync"])
+        elif "rescore" in message:
+            rescore(model, message["rescore"], device, args.compute_dtype == "bf16")
+        elif "save" in message:
+            save_checkpoint(out_dir, model, tokenizer, optimizer, scheduler, message["save"], rank)
+        else:  # {"stop": True}
+            return
+
+
+def load_tokenizer(args: argparse.Namespace, ckpt: Path | None, episode) -> tuple[object, ChatTemplate]:
+    """(tokenizer, chat template): the checkpoint's or the model's tokenizer, --chat-template if given,
+    and the tools of `episode` (an env's tools are the same for every row)."""
+    tokenizer = AutoTokenizer.from_pretrained(ckpt or args.model)
+    if args.chat_template:
+        tokenizer.chat_template = Path(args.chat_template).read_text()
+    return tokenizer, ChatTemplate(tokenizer, tools=getattr(episode, "tools", None))
