@@ -21,6 +21,10 @@ The plan is checked before anything starts and printed in one line; one GPU need
     # the same distributed code on CPU (gloo), as tests/test_train.py runs it
     python -m torch.distributed.run --nproc-per-node 2 train_async_grpo.py --model models/tiny-warm
 
+    # several nodes (scripts/multinode.sbatch): servers on their own nodes (vllm_server.py --host), node i
+    torchrun --nnodes 2 --nproc-per-node 8 --node-rank i --master-addr NODE0 --master-port 29500 \
+        train_async_grpo.py --model Qwen/Qwen2.5-7B-Instruct --vllm-url http://SERVER:8000
+
 Multi-rank (WORLD_SIZE > 1): FSDP2 (`fully_shard` on each decoder layer, then the root; nccl on GPU,
 gloo on CPU). Rank 0 owns the servers, the rollout worker, eval, metrics and writing checkpoints; each
 step it broadcasts the packed sequences (or a stop message, so an error or Ctrl-C on rank 0 ends every
@@ -147,6 +151,9 @@ parser.add_argument("--seed", type=int, default=0, help="seeds torch, python and
 # Rollouts
 parser.add_argument("--vllm-url", action="append", default=None,
                     help="a running vLLM server (repeatable); none = launch our own")
+parser.add_argument("--sync-host", default=None,
+                    help="address of this host the servers dial to join the weight sync (default: this "
+                         "host's end of the route to the first non-local server; 127.0.0.1 if all are local)")
 parser.add_argument("--vllm-gpus", type=int, default=None,
                     help="GPUs 0..K-1 for launched servers (default: every GPU the trainer ranks leave; "
                          "CPU: one server)")
@@ -604,12 +611,14 @@ def gather_traced(traced: dict[int, list[float]], world_size: int) -> dict[int, 
 # RANKS: torchrun → FSDP2; rank 0 broadcasts each batch, every rank trains on its share of it
 # ---------------------------------------------------------------------------------------------------
 def plan_devices(
-    num_gpus: int, ranks: int, vllm_gpus: int | None, vllm_tp: int, launch_servers: bool
+    num_gpus: int, ranks: int, vllm_gpus: int | None, vllm_tp: int, launch_servers: bool, node_rank: int = 0
 ) -> tuple[list[str], list[str]]:
     """Where everything runs on one box: (CUDA_VISIBLE_DEVICES of each launched server, device of each
     trainer rank). Servers take GPUs 0..vllm_gpus−1 (`vllm_tp` each), rank r the GPU after them; with
     no --vllm-gpus the servers take every GPU the ranks leave. A layout that does not fit raises
-    ValueError with one line saying what would. No GPU: one server and every rank on the CPU."""
+    ValueError with one line saying what would. No GPU: one server and every rank on the CPU. Servers are
+    launched on node 0 only (torchrun --nnodes): elsewhere the ranks start at GPU 0."""
+    launch_servers = launch_servers and node_rank == 0
     if num_gpus == 0:
         return (["cpu"] if launch_servers else []), ["cpu"] * ranks
     if not launch_servers:  # --vllm-url: the servers are elsewhere (or on GPUs hidden from us)
@@ -1166,8 +1175,9 @@ def main(argv: list[str] | None = None) -> None:
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
     try:
         server_gpus, rank_devices = plan_devices(
-            num_gpus, ranks, args.vllm_gpus, args.vllm_tp, not args.vllm_url
-        )
+            num_gpus, ranks, args.vllm_gpus, args.vllm_tp, not args.vllm_url,
+            node_rank=int(os.environ.get("GROUP_RANK", 0)),  # torchrun's node rank
+        )  # fmt: skip
     except ValueError as e:
         parser.error(str(e))
     first_gpu = int(rank_devices[0].removeprefix("cuda:")) if on_gpu else 0
@@ -1330,8 +1340,9 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(signal.SIGINT, lambda *_: stop_flag.update(stop=True))
         # The fp32 masters are cast to the servers' dtype as they are sent (half the bytes on GPU).
         syncer = WeightSyncer(
-            urls, backend="nccl" if on_gpu else "gloo", send_dtype=getattr(torch, serving_dtype)
-        )
+            urls, backend="nccl" if on_gpu else "gloo", send_dtype=getattr(torch, serving_dtype),
+            master_address=args.sync_host,
+        )  # fmt: skip
         syncer.init()
         # Always push ours, even onto launched servers that hold the base model: servers given by
         # --vllm-url may hold anything, a checkpoint's weights must go in, and the version tag it sets
@@ -1460,6 +1471,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\ninterrupted at step {step}; saving a final checkpoint", file=sys.stderr, flush=True)
     except FidelityError as e:  # before the first step: nothing to save, one line to read
         print(f"refusing to train: {e}", file=sys.stderr, flush=True)
+        refused = True
+    except WeightSyncError as e:  # the servers could not join the transfer groups: one line, exit 1
+        print(f"weight sync: {e}", file=sys.stderr, flush=True)
         refused = True
     finally:
         # -------------------------------------------------------------------------------------------

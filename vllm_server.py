@@ -2,6 +2,7 @@
 benchmarks and `make serve` share.
 
     python vllm_server.py --model models/tiny            # serve until Ctrl-C
+    python vllm_server.py --model models/tiny --host 0.0.0.0   # for a trainer on another host
 
 Each server runs `python -m vllm.entrypoints.openai.api_server` in its own session (process group), so
 stopping it kills the API process and every engine process it spawned. `VLLM_SERVER_DEV_MODE=1` exposes
@@ -173,6 +174,7 @@ def start_vllm_server(
     model: str,
     *,
     port: int | None = None,
+    host: str = "127.0.0.1",
     max_model_len: int = 2048,
     dtype: str | None = None,
     weight_transfer_backend: str | None = None,
@@ -193,6 +195,8 @@ def start_vllm_server(
     GPU group (data parallel = one server per group). `kv_cache_gib` sizes the CPU KV cache; 1 GiB holds
     far more than the tiny model needs and leaves the 24 GiB machine to the trainer. `seed` is the
     server's own (unseeded requests); data-parallel servers get distinct ones (`start_vllm_servers`).
+    `host` is the address it listens on: 127.0.0.1 for the trainer's own servers, an address other
+    hosts can reach (or 0.0.0.0) for a server that trainers elsewhere use through --vllm-url.
     """
     port = port or free_port()
     on_gpu = torch.cuda.is_available()
@@ -206,7 +210,7 @@ def start_vllm_server(
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model),
-        "--host", "127.0.0.1",
+        "--host", host,
         "--port", str(port),
         "--dtype", dtype,
         "--max-model-len", str(max_model_len),
@@ -244,7 +248,7 @@ def start_vllm_server(
         if cpu_threads_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind
     log_path.unlink(missing_ok=True)
-    server = VLLMServer(cmd, env, f"http://127.0.0.1:{port}", log_path)
+    server = VLLMServer(cmd, env, f"http://{host}:{port}", log_path)
     if wait:
         server.wait_healthy(timeout_s)
     return server
@@ -292,15 +296,26 @@ def stop_all_servers() -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="models/tiny", help="model directory or hub name")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on; one other hosts can reach for a trainer elsewhere",
+    )
     p.add_argument("--port", type=int, default=8000, help="port of the first server")
-    p.add_argument("--num-servers", type=int, default=1, help="data-parallel servers (one per GPU group)")
+    p.add_argument("--num-servers", type=int, default=1, help="data-parallel servers (GPU i: server i)")
     p.add_argument("--max-model-len", type=int, default=2048, help="context length")
     args = p.parse_args()
     servers = []
     try:
         for i in range(args.num_servers):
             servers.append(
-                start_vllm_server(args.model, port=args.port + i, max_model_len=args.max_model_len)
+                start_vllm_server(
+                    args.model,
+                    port=args.port + i,
+                    host=args.host,
+                    max_model_len=args.max_model_len,
+                    visible_devices=str(i) if torch.cuda.is_available() else None,  # GPU i: server i
+                )  # fmt: skip
             )
             print(f"serving {args.model} at {servers[-1].url} (log {servers[-1].log_path})", flush=True)
         while all(s.alive() for s in servers):

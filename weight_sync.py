@@ -40,12 +40,15 @@ CPU the tied lm_head re-packed after each sync (see `_repack_cpu_embedding_gemms
 """
 
 import datetime
+import ipaddress
 import json
+import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -79,7 +82,43 @@ def gloo_group(
     store = dist.TCPStore(
         host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
     )
-    return store, dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    # Gloo's default device is the address the hostname resolves to, which on another host (or in a
+    # network namespace) may be one the peers cannot reach: bind to our end of the route to the store.
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=route_source(host))]
+    return store, dist.ProcessGroupGloo(store, rank, world_size, options)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except OSError as e:
+        raise ValueError(f"cannot resolve host {host!r}: {e}") from None
+
+
+def route_source(host: str) -> str:
+    """This host's address on the route to `host`: the address `host` can reach us at. 127.0.0.1 for a
+    loopback `host`. A UDP connect() only picks the route; nothing is sent."""
+    if _is_loopback(host):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((socket.gethostbyname(host), 9))
+        except OSError as e:
+            raise ValueError(f"no route from this host to {host}: {e}") from None
+        return s.getsockname()[0]
+
+
+def default_sync_host(urls: list[str]) -> str:
+    """The rendezvous address the servers dial to join the transfer groups: this host's end of the
+    route to the first server on another host; 127.0.0.1 when every server is local (one route is
+    assumed to serve them all: pass --sync-host where it does not). Raises ValueError, one line."""
+    for url in urls:
+        host = urllib.parse.urlparse(url).hostname or ""
+        if not _is_loopback(host):
+            return route_source(host)
+    return "127.0.0.1"
 
 
 def plan_buckets(shapes: list[list[int]], dtypes: list[torch.dtype], bucket_bytes: int) -> list[list[int]]:
@@ -337,7 +376,7 @@ class WeightSyncer:
         urls: list[str],
         *,
         backend: str = "gloo",
-        master_address: str = "127.0.0.1",
+        master_address: str | None = None,
         http_timeout_s: float = 60.0,
         transfer_timeout_s: float = 300.0,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -347,7 +386,11 @@ class WeightSyncer:
         assert backend in ("gloo", "nccl"), backend
         self.urls = [u.rstrip("/") for u in urls]  # every server of the run, in step or not
         self.backend = backend
-        self.master_address = master_address  # an address of this host the servers can reach
+        # The address of this host the servers dial to join (default_sync_host when not given).
+        try:
+            self.master_address = master_address or default_sync_host(self.urls)
+        except ValueError as e:
+            raise WeightSyncError(f"no rendezvous address for the servers ({e}): pass --sync-host") from None
         self.http_timeout_s = http_timeout_s  # pause/start/finish/version/resume, each call
         self.transfer_timeout_s = transfer_timeout_s  # group join, /update_weights, each bucket
         self.bucket_bytes = bucket_bytes
@@ -414,9 +457,16 @@ class WeightSyncer:
                 joined.update({u: group for u in members})
         except Exception as e:
             errors = _collect(urls, futures, 5)  # a server's own error explains more than our timeout
-            detail = "; ".join(f"{u}: {m}" for u, m in errors.items()) or "no server reported an error"
+            dialed = {u: f"{self.master_address}:{port}" for members, port, _ in joins for u in members}
+            detail = "; ".join(
+                f"{u} was told to dial {dialed[u]}" + (f" and reported {errors[u]}" if u in errors else "")
+                for u in urls
+            )
             raise WeightSyncError(
-                f"init: the trainer could not form the {self.backend} group(s): {e} ({detail})"
+                f"init: the servers did not join the {self.backend} transfer group(s) within "
+                f"{self.transfer_timeout_s:.0f} s: {detail}. Can they reach {self.master_address}? "
+                f"If not, pass --sync-host with an address of this host they can reach. (Trainer side: "
+                f"{type(e).__name__}: {str(e)[:300]})"
             ) from e
         errors = _collect(urls, futures, self.transfer_timeout_s)
         if errors:
