@@ -262,3 +262,19 @@ def test_c_a_server_that_cannot_reach_the_rendezvous_is_named_with_the_address_i
     assert f"{server_url} was told to dial 127.0.0.1:" in said and "pass --sync-host" in said, (
         r.stdout + r.stderr
     )
+
+
+def test_the_slurm_recipe_runs_the_commands_tested_here():
+    """scripts/multinode.sbatch is only written (no cluster): its syntax parses, and it launches the same
+    commands with the same flags as the tests above."""
+    script = REPO / "scripts" / "multinode.sbatch"
+    r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    text = script.read_text()
+    for flags in (
+        ["vllm_server.py", "--host", "--port"],
+        ["-m torch.distributed.run", "--nnodes", "--node-rank", "--master-addr", "--master-port"],
+        ["train_async_grpo.py", "--model", "--env retool", "--output-dir"],
+    ):
+        assert all(f in text for f in flags), flags
+    assert '--vllm-url "http://$node:' in text
