@@ -578,7 +578,7 @@ def main(argv: list[str] | None = None) -> None:
                 metrics.update(asyncio.run(evaluate(*eval_args)))
                 metrics["perf/eval_s"] = time.monotonic() - t_eval
                 t_last += metrics["perf/eval_s"]  # eval time is not the next step's
-            log_step(run, metrics, sandbox_mode, groups, logged, traced)  # sandbox_mode: a string
+            log_step(run, metrics, sandbox_mode, groups, logged, traced)  # sandbox_mode: first line only
             sandbox_mode = {}
             if run.step % args.save_every == 0:
                 save(run)

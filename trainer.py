@@ -19,6 +19,9 @@ from rollout import ChatTemplate
 from sampling import Sampling, rescore, token_logprobs
 
 
+# ---------------------------------------------------------------------------------------------------
+# LOADING: the model to train (fp32 masters), the frozen reference, the tokenizer and its chat template
+# ---------------------------------------------------------------------------------------------------
 def sampling_of(args: argparse.Namespace) -> Sampling:
     return Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
 
@@ -41,6 +44,15 @@ def load_models(args: argparse.Namespace, ckpt: Path | None, device: torch.devic
         if ref_model is not None:
             shard_model(ref_model, args.compute_dtype)
     return model, ref_model, loaded_checksum
+
+
+def load_tokenizer(args: argparse.Namespace, ckpt: Path | None, episode) -> tuple[object, ChatTemplate]:
+    """(tokenizer, chat template): the checkpoint's or the model's tokenizer, --chat-template if given,
+    and the tools of `episode` (an env's tools are the same for every row)."""
+    tokenizer = AutoTokenizer.from_pretrained(ckpt or args.model)
+    if args.chat_template:
+        tokenizer.chat_template = Path(args.chat_template).read_text()
+    return tokenizer, ChatTemplate(tokenizer, tools=getattr(episode, "tools", None))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -175,12 +187,3 @@ def follow_rank0(model, ref_model, optimizer, scheduler, tokenizer, args, out_di
             save_checkpoint(out_dir, model, tokenizer, optimizer, scheduler, message["save"], rank)
         else:  # {"stop": True}
             return
-
-
-def load_tokenizer(args: argparse.Namespace, ckpt: Path | None, episode) -> tuple[object, ChatTemplate]:
-    """(tokenizer, chat template): the checkpoint's or the model's tokenizer, --chat-template if given,
-    and the tools of `episode` (an env's tools are the same for every row)."""
-    tokenizer = AutoTokenizer.from_pretrained(ckpt or args.model)
-    if args.chat_template:
-        tokenizer.chat_template = Path(args.chat_template).read_text()
-    return tokenizer, ChatTemplate(tokenizer, tools=getattr(episode, "tools", None))
