@@ -95,6 +95,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from batches import BatchTimeout, batch_sequences, collect_groups, row_stream
+from chat_format import ChatTemplate
 from checkpoint import latest_checkpoint, resume_from, save_checkpoint
 from distributed import broadcast_message, place_ranks
 from envs import ENVS, episode_maker, verify
@@ -110,7 +111,7 @@ from metrics import (
     rollout_metrics,
     write_completions,
 )
-from rollout import AsyncRolloutWorker, ChatTemplate, VLLMClient
+from rollout import AsyncRolloutWorker, VLLMClient
 from sampling import FidelityError, probe_fidelity
 from trainer import follow_rank0, load_models, load_tokenizer, sampling_of, sync_weights, train_step
 from vllm_server import relaunch_exited, served_model_name, write_servers_file

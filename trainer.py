@@ -11,11 +11,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from batches import collate, pack
+from chat_format import ChatTemplate
 from checkpoint import param_checksum, save_checkpoint
 from distributed import broadcast_message, gather_traced, rank_micro_batches, reduce_over_ranks, shard_model
 from loss import grpo_loss
 from metrics import keep_traced
-from rollout import ChatTemplate
 from sampling import Sampling, rescore, token_logprobs
 
 

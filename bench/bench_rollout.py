@@ -25,8 +25,9 @@ from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file from anywhere
 from bench.results import merge_results  # noqa: E402
+from chat_format import ChatTemplate  # noqa: E402
 from envs import load_env  # noqa: E402
-from rollout import AsyncRolloutWorker, ChatTemplate, VLLMClient  # noqa: E402
+from rollout import AsyncRolloutWorker, VLLMClient  # noqa: E402
 from sampling import Sampling, request_seed  # noqa: E402
 from vllm_server import start_vllm_server  # noqa: E402
 

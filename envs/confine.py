@@ -1,7 +1,10 @@
-"""Confinement of one process tree without namespaces: a seccomp filter and a Landlock file allowlist.
+"""What confines a process tree besides namespaces: in mode "seccomp" a seccomp filter and a Landlock
+file allowlist; in every mode rlimits and one memory cgroup for all sandbox runs (LIMITS below); and
+which CPUs the rollout side's processes run on (CPU placement below).
 
-Used by envs/sandbox.py in isolation mode "seccomp" (no mount/pid/net namespace can be made: root
-without CAP_SYS_ADMIN in a default Docker container, or a non-root user without user namespaces).
+seccomp and Landlock are used by envs/sandbox.py in isolation mode "seccomp" (no mount/pid/net
+namespace can be made: root without CAP_SYS_ADMIN in a default Docker container, or a non-root user
+without user namespaces).
 Both are applied between fork and exec (`confine`, a preexec_fn) after PR_SET_NO_NEW_PRIVS, are
 inherited by every descendant and cannot be lifted.
 
@@ -17,6 +20,7 @@ inherited by every descendant and cannot be lifted.
 import ctypes
 import errno
 import functools
+import glob
 import os
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -112,6 +116,101 @@ def confine(readable: list[str], writable: list[str]) -> None:
     if f is None:
         raise OSError(errno.ENOSYS, "no seccomp: libseccomp or pyseccomp missing")
     f.load()
+
+
+# LIMITS: per process (rlimits, inherited by the whole tree) and one memory budget for all runs
+# together: a memory cgroup made for this process; when the runs together exceed it the kernel OOM-kills
+# inside it, never the trainer or vLLM. Where no cgroup can be made (not root, a read-only /sys/fs/cgroup
+# without delegation) only the per-process RLIMIT_AS bounds memory.
+MEMORY_LIMIT_BYTES = 2 * 1024**3  # RLIMIT_AS: address space, generous for numpy/sympy imports
+MAX_FILE_BYTES = 16 * 1024**2  # RLIMIT_FSIZE: largest file the code may write
+MAX_OPEN_FILES = 128  # RLIMIT_NOFILE
+
+
+def rlimits(timeout_s: float, nproc: int) -> dict[str, tuple[int, int]]:
+    """Per process, inherited by the whole tree (RLIMIT_NPROC: per uid)."""
+    cpu = int(timeout_s) + 1
+    return {
+        "RLIMIT_CPU": (cpu, cpu + 1),
+        "RLIMIT_AS": (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES),
+        "RLIMIT_NPROC": (nproc, nproc),
+        "RLIMIT_FSIZE": (MAX_FILE_BYTES, MAX_FILE_BYTES),
+        "RLIMIT_NOFILE": (MAX_OPEN_FILES, MAX_OPEN_FILES),
+        "RLIMIT_CORE": (0, 0),
+    }
+
+
+def _cgroup_dir() -> tuple[str, str] | None:
+    """(our own cgroup's directory, "v2" or "v1") for the memory controller, or None."""
+    for line in open("/proc/self/cgroup").read().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            return "/sys/fs/cgroup/memory" + path, "v1"
+        if controllers == "":
+            for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):  # pure v2; hybrid
+                controllers = os.path.join(root, "cgroup.controllers")
+                if os.path.exists(controllers) and "memory" in open(controllers).read().split():
+                    return root + path, "v2"
+    return None
+
+
+@functools.cache
+def memory_cgroup(budget_bytes: int) -> tuple[str, str] | None:
+    """(directory, version) of this process's cgroup for sandbox runs with `budget_bytes`, made on
+    first use; None where none can be made (then only RLIMIT_AS bounds memory). Cgroups left by dead
+    processes (a SIGKILLed trainer) are removed here."""
+    try:
+        found = _cgroup_dir()
+        if found is None:
+            return None
+        parent, version = found
+        for old in glob.glob(os.path.join(parent, "sandbox-*-*")):
+            pid = os.path.basename(old).split("-")[1]
+            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                try:
+                    os.rmdir(old)  # a cgroup with no process left goes with rmdir, its files and all
+                except OSError:
+                    pass
+        if version == "v2":
+            # Children get the controller only if our cgroup holds no process of its own (or is the root).
+            with open(os.path.join(parent, "cgroup.subtree_control"), "r+") as f:
+                if "memory" not in f.read().split():
+                    f.write("+memory")
+                    f.flush()
+        d = os.path.join(parent, f"sandbox-{os.getpid()}-{budget_bytes >> 20}m")
+        os.makedirs(d, exist_ok=True)
+        if version == "v2":
+            _write(d, "memory.max", budget_bytes)
+            _write(d, "memory.swap.max", 0, missing_ok=True)
+        else:
+            _write(d, "memory.limit_in_bytes", budget_bytes)
+            _write(d, "memory.memsw.limit_in_bytes", budget_bytes, missing_ok=True)
+        return d, version
+    except OSError:
+        return None
+
+
+def _write(d: str, name: str, value: int, missing_ok: bool = False) -> None:
+    try:
+        with open(os.path.join(d, name), "w") as f:
+            f.write(str(value))
+    except FileNotFoundError:
+        if not missing_ok:
+            raise
+
+
+def oom_kills(cgroup: tuple[str, str] | None) -> int:
+    """How many processes the kernel has OOM-killed in the cgroup so far."""
+    if cgroup is None:
+        return 0
+    name = "memory.events" if cgroup[1] == "v2" else "memory.oom_control"
+    try:
+        for line in open(os.path.join(cgroup[0], name)):
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 # CPU placement: the rollout side's processes stay off the trainer's cores. The trainer (--rollout-cpus)

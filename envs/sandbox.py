@@ -34,11 +34,8 @@ Isolation modes, the strongest that works here is probed once per process (`isol
 - "none": rlimits, a new session and the process-group kill only.
 
 Every mode: wall clock (`timeout_s`, then SIGKILL to the group, and in the drawn-uid modes to every
-process of that uid), RLIMIT_AS/CPU/FSIZE/NOFILE/CORE per process, and one memory budget for all runs
-together: a memory cgroup (v2, or v1 where the memory controller is there) made for this process with
-`memory_budget_bytes`; when the runs together exceed it the kernel OOM-kills inside it, never the
-trainer or vLLM, and the killed run's `error` says so. Where no cgroup can be made (not root, a
-read-only /sys/fs/cgroup without delegation) only the per-process RLIMIT_AS bounds memory.
+process of that uid), RLIMIT_AS/CPU/FSIZE/NOFILE/CORE per process, and one memory cgroup (v2, or v1)
+for all runs together (envs/confine.py); a run the kernel OOM-kills there says so in its `error`.
 """
 
 import asyncio
@@ -63,11 +60,8 @@ from dataclasses import dataclass
 from envs import confine
 
 MAX_OUTPUT_BYTES = 16 * 1024  # what the model sees; a tool message should stay small
-MEMORY_LIMIT_BYTES = 2 * 1024**3  # RLIMIT_AS: address space, generous for numpy/sympy imports
 MEMORY_BUDGET_BYTES = 4 * 1024**3  # the memory cgroup: resident memory of all live runs together
 MAX_PROCESSES = 32  # RLIMIT_NPROC for the sandbox uid (threads count too)
-MAX_FILE_BYTES = 16 * 1024**2  # RLIMIT_FSIZE: largest file the code may write
-MAX_OPEN_FILES = 128  # RLIMIT_NOFILE
 UID_RANGE = (
     1 << 30,
     (1 << 31) - 2,
@@ -209,19 +203,6 @@ def _draws_uid(mode: str) -> bool:
     return mode == "root-ns" or (mode == "seccomp" and os.geteuid() == 0 and _python_reachable_by_others())
 
 
-def _rlimits(timeout_s: float, nproc: int) -> dict[str, tuple[int, int]]:
-    """Per process, inherited by the whole tree (RLIMIT_NPROC: per uid)."""
-    cpu = int(timeout_s) + 1
-    return {
-        "RLIMIT_CPU": (cpu, cpu + 1),
-        "RLIMIT_AS": (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES),
-        "RLIMIT_NPROC": (nproc, nproc),
-        "RLIMIT_FSIZE": (MAX_FILE_BYTES, MAX_FILE_BYTES),
-        "RLIMIT_NOFILE": (MAX_OPEN_FILES, MAX_OPEN_FILES),
-        "RLIMIT_CORE": (0, 0),
-    }
-
-
 def _preexec(mode: str, run_dir: str, timeout_s: float, nproc: int, cgroup_procs: str | None) -> None:
     """Between fork and exec: join the memory cgroup, set the rlimits (inherited by the whole process
     tree), and SIGKILL the run's first process when the thread that started it dies (a kill -9 of the
@@ -233,7 +214,7 @@ def _preexec(mode: str, run_dir: str, timeout_s: float, nproc: int, cgroup_procs
     if cgroup_procs:
         with open(cgroup_procs, "w") as f:
             f.write(str(os.getpid()))
-    for name, limits in _rlimits(timeout_s, nproc).items():
+    for name, limits in confine.rlimits(timeout_s, nproc).items():
         resource.setrlimit(getattr(resource, name), limits)
     if mode == "seccomp":
         readable = visible_paths()[0] + ["/sys/devices/system/cpu"]
@@ -285,82 +266,6 @@ def isolation_gaps() -> list[str]:
     if mode == "seccomp" and os.geteuid() != 0 and not confine.landlock_abi():
         return ["reading the trainer's environment (/proc/<pid>/environ: same uid, and no Landlock)"]
     return []
-
-
-# MEMORY BUDGET: one cgroup for all runs of this process.
-
-
-def _cgroup_dir() -> tuple[str, str] | None:
-    """(our own cgroup's directory, "v2" or "v1") for the memory controller, or None."""
-    for line in open("/proc/self/cgroup").read().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            return "/sys/fs/cgroup/memory" + path, "v1"
-        if controllers == "":
-            for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):  # pure v2; hybrid
-                controllers = os.path.join(root, "cgroup.controllers")
-                if os.path.exists(controllers) and "memory" in open(controllers).read().split():
-                    return root + path, "v2"
-    return None
-
-
-@functools.cache
-def memory_cgroup(budget_bytes: int) -> tuple[str, str] | None:
-    """(directory, version) of this process's cgroup for sandbox runs with `budget_bytes`, made on
-    first use; None where none can be made (then only RLIMIT_AS bounds memory). Cgroups left by dead
-    processes (a SIGKILLed trainer) are removed here."""
-    try:
-        found = _cgroup_dir()
-        if found is None:
-            return None
-        parent, version = found
-        for old in glob.glob(os.path.join(parent, "sandbox-*-*")):
-            pid = os.path.basename(old).split("-")[1]
-            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-                try:
-                    os.rmdir(old)  # a cgroup with no process left goes with rmdir, its files and all
-                except OSError:
-                    pass
-        if version == "v2":
-            # Children get the controller only if our cgroup holds no process of its own (or is the root).
-            with open(os.path.join(parent, "cgroup.subtree_control"), "r+") as f:
-                if "memory" not in f.read().split():
-                    f.write("+memory")
-                    f.flush()
-        d = os.path.join(parent, f"sandbox-{os.getpid()}-{budget_bytes >> 20}m")
-        os.makedirs(d, exist_ok=True)
-        if version == "v2":
-            _write(d, "memory.max", budget_bytes)
-            _write(d, "memory.swap.max", 0, missing_ok=True)
-        else:
-            _write(d, "memory.limit_in_bytes", budget_bytes)
-            _write(d, "memory.memsw.limit_in_bytes", budget_bytes, missing_ok=True)
-        return d, version
-    except OSError:
-        return None
-
-
-def _write(d: str, name: str, value: int, missing_ok: bool = False) -> None:
-    try:
-        with open(os.path.join(d, name), "w") as f:
-            f.write(str(value))
-    except FileNotFoundError:
-        if not missing_ok:
-            raise
-
-
-def _oom_kills(cgroup: tuple[str, str] | None) -> int:
-    """How many processes the kernel has OOM-killed in the cgroup so far."""
-    if cgroup is None:
-        return 0
-    name = "memory.events" if cgroup[1] == "v2" else "memory.oom_control"
-    try:
-        for line in open(os.path.join(cgroup[0], name)):
-            if line.startswith("oom_kill "):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 # RUNNING ONE CALL
@@ -466,8 +371,8 @@ async def run_python(
     uid = random.SystemRandom().randint(*UID_RANGE)  # OS entropy: immune to random.seed()
     start = time.monotonic()
     remove_run_dirs_of_dead_processes()
-    cgroup = memory_cgroup(memory_budget_bytes)
-    ooms_before = _oom_kills(cgroup)
+    cgroup = confine.memory_cgroup(memory_budget_bytes)
+    ooms_before = confine.oom_kills(cgroup)
     base = _make_base(mode, uid, code)
     run_dir = os.path.join(base, "run")
     timed_out, error = False, ""
@@ -511,7 +416,7 @@ async def run_python(
     finally:
         shutil.rmtree(base, ignore_errors=True)
     exit_code = None if proc is None else proc.returncode
-    oom = _oom_kills(cgroup) > ooms_before
+    oom = confine.oom_kills(cgroup) > ooms_before
     return _result(
         start, (head, tail, total), exit_code, timed_out, error, timeout_s, oom, memory_budget_bytes
     )
@@ -626,15 +531,15 @@ async def _run_warm(
     """One call through the fork server; None if the server did not take it (the caller goes cold)."""
     start = time.monotonic()
     mode = server.mode
-    cgroup = memory_cgroup(budget)
-    ooms_before = _oom_kills(cgroup)
+    cgroup = confine.memory_cgroup(budget)
+    ooms_before = confine.oom_kills(cgroup)
     req = {
         "code": code,
         "timeout_s": timeout_s,
         "mode": mode,
         "uid": random.SystemRandom().randint(*UID_RANGE),
         "env": _env(mode, ""),
-        "rlimits": _rlimits(timeout_s, _nproc(mode)),
+        "rlimits": confine.rlimits(timeout_s, _nproc(mode)),
     }
     out_r, out_w = os.pipe()
     status_r, status_w = os.pipe()
@@ -665,7 +570,7 @@ async def _run_warm(
         status_transport.close()
     if "status" not in reply:
         error = f"sandbox fork server failed the call: {reply.get('error', 'no reply')}"
-    oom = _oom_kills(cgroup) > ooms_before
+    oom = confine.oom_kills(cgroup) > ooms_before
     exit_code, timed_out = reply.get("status"), reply.get("timed_out", False)
     return _result(start, (head, tail, total), exit_code, timed_out, error, timeout_s, oom, budget)
 
@@ -720,7 +625,7 @@ class Sandbox:
                 return server
             if time.monotonic() - self._server_failed_at < 60:
                 return None
-            cgroup = memory_cgroup(self.memory_budget_bytes)
+            cgroup = confine.memory_cgroup(self.memory_budget_bytes)
             server = self._server = _ForkServer(
                 isolation_mode(), cgroup and os.path.join(cgroup[0], "cgroup.procs")
             )

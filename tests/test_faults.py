@@ -19,10 +19,11 @@ from test_weight_sync import max_diff, weight_version  # what weight sync is tes
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from batches import BatchTimeout, collect_groups
+from chat_format import ChatTemplate
 from checkpoint import latest_checkpoint
 from envs import load_env
 from envs.data import load_rows
-from rollout import AsyncRolloutWorker, ChatTemplate, VLLMClient
+from rollout import AsyncRolloutWorker, VLLMClient
 from vllm_server import free_port, group_pids, healthy, start_vllm_server
 
 REPO = Path(__file__).resolve().parent.parent

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from chat_format import ChatTemplate, ChatTemplateError
 from envs import load_env
 from envs.confine import ROLLOUT_CPUS_ENV, parse_cpus
 from envs.data import load_rows
@@ -25,8 +26,6 @@ from envs.sandbox import Sandbox
 from records import STOP_REASONS, RolloutCompletion, TokenAccountingError, TurnRecord
 from rollout import (
     AsyncRolloutWorker,
-    ChatTemplate,
-    ChatTemplateError,
     Generation,
     GenerationError,
     RolloutContext,

@@ -569,7 +569,7 @@ def deny_user_namespaces() -> None:
 
 @pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
 def test_eight_memory_creepers_share_one_budget(warm):
-    from envs.sandbox import memory_cgroup
+    from envs.confine import memory_cgroup
 
     budget = 512 * 1024**2
     cgroup = memory_cgroup(budget)

@@ -17,8 +17,8 @@ from test_vllm_server import post
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from chat_format import ChatTemplate
 from envs.retool import make_episode
-from rollout import ChatTemplate
 from sampling import Sampling
 from vllm_server import group_pids, start_vllm_server
 
