@@ -69,7 +69,7 @@ $(STAMPS)/chromium:
 
 test: install tiny-model $(STAMPS)/chromium
 	.venv/bin/ruff check .
-	.venv/bin/pytest -q --timeout 900
+	.venv/bin/pytest -q --timeout 900 --durations 15
 
 # Fault injection on the real pipeline alone (README "Fault tolerance"); `make test` runs it too.
 faults: install tiny-model

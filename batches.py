@@ -49,7 +49,7 @@ def explain_batch_timeout(
     reasons = []
     down = [u for u, ok in health.items() if not ok]
     if not worker_alive:
-        reasons.append("the rollout worker thread died (see its traceback in the log above)")
+        reasons.append("the rollout worker died (see its traceback in the log above)")
     if down:
         reasons.append(f"vLLM server(s) not healthy: {', '.join(down)}")
     if out_of_routing - set(down):

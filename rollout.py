@@ -542,6 +542,8 @@ class AsyncRolloutWorker:
                     while not self._stopping.is_set():
                         try:
                             self.queue.put_nowait(group)  # a thread-safe queue: poll, never block the loop
+                            # counted once queued, so `exhausted` never claims a group still on its way
+                            self.stats.groups_done += 1
                             break
                         except queue.Full:
                             await asyncio.sleep(0.02)
@@ -555,9 +557,7 @@ class AsyncRolloutWorker:
         from the failed attempt survives), then drops it with a counted warning — never kills the worker."""
         for attempt in range(self.group_retries + 1):
             try:
-                group = await self._attempt_group(row, admitted_version)
-                self.stats.groups_done += 1
-                return group
+                return await self._attempt_group(row, admitted_version)
             except asyncio.CancelledError:
                 raise
             except Exception as e:

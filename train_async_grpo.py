@@ -33,14 +33,15 @@ by world_size (FSDP averages gradients over ranks; the denominators are the whol
 joins the gathers of the weight sync and of the checkpoints (full state dicts, model and optimizer,
 gathered to rank 0's CPU), so a checkpoint is the same files whatever the number of ranks.
 
-The loop. A background thread (rollout.AsyncRolloutWorker) keeps generating scored groups of
-`--num-generations` completions per prompt into a bounded queue; it admits a new group only while it
-stays within `--max-staleness` versions ahead of the trainer. The trainer takes `--prompts-per-step`
-groups per step (in the order they finish, so a slow group can arrive later than that bound: it is
-trained all the same, IS-corrected; `--drop-stale` drops it instead), skips groups whose rewards are all
-equal (their advantage is zero), packs the sequences, takes `--mini-batches` AdamW steps (default one),
-and every `--sync-every` steps pushes its weights into the servers (weight_sync.WeightSyncer); the
-model version then increments.
+The loop. A rollout worker (rollout.AsyncRolloutWorker, in a process of its own: rollout_process.py,
+pinned to `--rollout-cpus`, so that its work lands on neither the trainer's GIL nor its cores) keeps
+generating scored groups of `--num-generations` completions per prompt into a queue; it admits a new
+group only while it stays within `--max-staleness` versions ahead of the trainer. The trainer takes
+`--prompts-per-step` groups per step (in the order they finish, so a slow group can arrive later than
+that bound: it is trained all the same, IS-corrected; `--drop-stale` drops it instead), skips groups
+whose rewards are all equal (their advantage is zero), packs the sequences, takes `--mini-batches`
+AdamW steps (default one), and every `--sync-every` steps pushes its weights into the servers
+(weight_sync.WeightSyncer); the model version then increments.
 
 Choices a reader should know before the code (see loss.py for the loss's own departures):
   - Staleness is counted in model versions (one version = one weight sync = `--sync-every` steps), the
@@ -80,6 +81,7 @@ Choices a reader should know before the code (see loss.py for the loss's own dep
 import argparse
 import asyncio
 import functools
+import importlib
 import json
 import math
 import os
@@ -98,7 +100,7 @@ from batches import BatchTimeout, batch_sequences, collect_groups, row_stream
 from chat_format import ChatTemplate
 from checkpoint import latest_checkpoint, resume_from, save_checkpoint
 from distributed import broadcast_message, place_ranks
-from envs import ENVS, episode_maker, verify
+from envs import ENVS, episode_maker, episodes_of, verify
 from envs.confine import ROLLOUT_CPUS_ENV, parse_cpus
 from envs.data import load_rows
 from evaluate import evaluate
@@ -112,6 +114,7 @@ from metrics import (
     write_completions,
 )
 from rollout import AsyncRolloutWorker, VLLMClient
+from rollout_process import RolloutProcess
 from sampling import FidelityError, probe_fidelity
 from trainer import follow_rank0, load_models, load_tokenizer, sampling_of, sync_weights, train_step
 from vllm_server import relaunch_exited, served_model_name, write_servers_file
@@ -306,7 +309,7 @@ class Run:
     bar: object = None  # the tqdm progress bar
     servers: list = field(default_factory=list)  # launched here; none with --vllm-url
     syncer: object = None  # weight_sync.WeightSyncer, once the servers are up
-    worker: object = None  # rollout.AsyncRolloutWorker, once the servers are up
+    worker: object = None  # rollout_process.RolloutProcess, once the servers are up
 
 
 def save(run: Run) -> Path:
@@ -341,7 +344,7 @@ def heal(run: Run, push: bool = True) -> None:
 
 
 def start_rollouts(
-    run: Run, server_gpus: list[str], template: ChatTemplate, make_episode, rows: list[dict], device
+    run: Run, server_gpus: list[str], template: ChatTemplate, make_episode, rows: list[dict], device, ckpt
 ) -> tuple[list[str], str, dict[str, float]]:
     """Servers up (those of --vllm-url, or launched here on `server_gpus`), the weight-transfer group
     formed, our weights pushed, the fidelity probe passed, the rollout worker built (not started).
@@ -384,18 +387,37 @@ def start_rollouts(
     fidelity = probe_fidelity(
         urls, model_name, run.model, probe_prompts, sampling_of(args), args.seed, bf16, run.world_size, device
     )
-    client = VLLMClient(
-        urls, model_name, request_timeout_s=args.batch_timeout, expected_version=lambda: run.syncer.version
+    # The worker is built in its own process (the same tokenizer, env and rows) while the start-up eval
+    # runs, and admits groups from run.worker.start() on.
+    build = functools.partial(
+        rollout_worker, args, ckpt, urls, model_name, rows, run.position, run.version, ENVS[args.env]
     )
-    run.worker = AsyncRolloutWorker(
-        client, template, make_episode, row_stream(rows, args.seed, run.position),
+    run.worker = RolloutProcess(build, lambda: run.syncer.version, run.version)
+    return urls, model_name, fidelity
+
+
+def rollout_worker(
+    args: argparse.Namespace, ckpt: Path | None, urls: list[str], model_name: str, rows: list[dict],
+    position: int, version: int, env_module: str, *, expected_version,
+) -> AsyncRolloutWorker:  # fmt: skip
+    """The rollout worker, built inside the rollout process from what the trainer loaded: the same
+    tokenizer and chat template, the env's episodes with a sandbox of their own, the row stream from
+    the run's position. `env_module` by path: an env registered at run time (bench/heavy_tail_env.py)
+    is not in a fresh process's ENVS."""
+    verify.DEADLINE_S = args.reward_timeout
+    make_episode = episodes_of(importlib.import_module(env_module), args.sandbox_workers)
+    _, template = load_tokenizer(args, ckpt, make_episode(rows[0]))
+    client = VLLMClient(
+        urls, model_name, request_timeout_s=args.batch_timeout, expected_version=expected_version
+    )
+    return AsyncRolloutWorker(
+        client, template, make_episode, row_stream(rows, args.seed, position),
         num_generations=args.num_generations, groups_per_version=args.prompts_per_step * args.sync_every,
         max_staleness=args.max_staleness, max_turns=args.max_turns, max_context=args.max_context,
         max_calls_per_turn=args.max_calls_per_turn, sampling=sampling_of(args).request_fields(),
         seed=args.seed, max_concurrent_tools=args.sandbox_workers, scale_rewards=not args.no_scale_rewards,
-        start_version=run.version,
+        start_version=version,
     )  # fmt: skip
-    return urls, model_name, fidelity
 
 
 # LOOP STEPS -------------------------------------------------------------------------------------------------
@@ -531,7 +553,9 @@ def main(argv: list[str] | None = None) -> None:
     refused = False
     try:
         # START ROLLOUTS: servers, weight sync group, fidelity probe, the worker thread -------------
-        urls, model_name, fidelity = start_rollouts(run, server_gpus, template, make_episode, rows, device)
+        urls, model_name, fidelity = start_rollouts(
+            run, server_gpus, template, make_episode, rows, device, ckpt
+        )
         expected_version = run.worker.client.expected_version
         eval_args = (urls, model_name, template, make_episode, eval_rows, args, expected_version)
         if args.eval_every and run.step == 0:  # the start, before any rollout competes for the server

@@ -361,6 +361,10 @@ def main() -> None:
     p.add_argument("--num-servers", type=int, default=1, help="data-parallel servers (GPU i: server i)")
     p.add_argument("--max-model-len", type=int, default=2048, help="context length")
     args = p.parse_args()
+    # Stop cleanly on Ctrl-C and on SIGTERM (`kill`, Slurm), also when started in the background, where
+    # the shell leaves SIGINT ignored and Python would never raise KeyboardInterrupt.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.default_int_handler)
     servers = []
     try:
         for i in range(args.num_servers):

@@ -27,9 +27,9 @@ def episode_maker(name: str, sandbox_workers: int, unsafe_sandbox: bool, rank: i
     gets a sandbox; a sandbox that cannot confine them here stops the run (one line)
     unless `unsafe_sandbox` (--unsafe-sandbox)."""
     env = load_env(name)
-    if "sandbox" not in inspect.signature(env.make_episode).parameters:
+    if not _runs_tools(env):
         return env.make_episode, {}
-    from envs.sandbox import Sandbox, isolation_gaps, isolation_mode
+    from envs.sandbox import isolation_gaps, isolation_mode
 
     if rank == 0:
         print(f"sandbox isolation: {isolation_mode()}", flush=True)
@@ -39,5 +39,18 @@ def episode_maker(name: str, sandbox_workers: int, unsafe_sandbox: bool, rank: i
             "(it needs root with CAP_SYS_ADMIN, user namespaces, or seccomp with Landlock); "
             "pass --unsafe-sandbox to accept the risk"
         )
-    make_episode = functools.partial(env.make_episode, sandbox=Sandbox(sandbox_workers))
-    return make_episode, {"sandbox/mode": isolation_mode()}
+    return episodes_of(env, sandbox_workers), {"sandbox/mode": isolation_mode()}
+
+
+def episodes_of(env: ModuleType, sandbox_workers: int):
+    """`env.make_episode`, given a Sandbox of its own when its episodes run tools (the rollout process
+    builds its own this way, after the trainer's `episode_maker` checked the isolation)."""
+    if not _runs_tools(env):
+        return env.make_episode
+    from envs.sandbox import Sandbox
+
+    return functools.partial(env.make_episode, sandbox=Sandbox(sandbox_workers))
+
+
+def _runs_tools(env: ModuleType) -> bool:
+    return "sandbox" in inspect.signature(env.make_episode).parameters

@@ -22,9 +22,11 @@ import errno
 import functools
 import glob
 import os
+import signal
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_PDEATHSIG = 1
 _SYS_LANDLOCK_CREATE_RULESET, _SYS_LANDLOCK_ADD_RULE, _SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
 _LANDLOCK_CREATE_RULESET_VERSION = 1
 _LANDLOCK_RULE_PATH_BENEATH = 1
@@ -238,3 +240,10 @@ def pin_to_rollout_cpus() -> None:
     spec = os.environ.get(ROLLOUT_CPUS_ENV)
     if spec:
         os.sched_setaffinity(0, parse_cpus(spec))
+
+
+def die_with_parent(parent_pid: int) -> bool:
+    """SIGKILL this process when the thread that started it exits (a kill -9 of the trainer included);
+    False if that parent is already gone (it died before the request took effect): then return at once."""
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    return os.getppid() == parent_pid

@@ -71,7 +71,6 @@ RUN_DIR_INSIDE = "/sandbox"  # where the run dir appears in the namespace modes'
 SYSTEM_PATHS = ["/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32", "/etc/ld.so.cache"]
 DEVICES = ["null", "zero", "random", "urandom"]
 
-_PR_SET_PDEATHSIG = 1
 _MARKER = "\n\n... [{n} bytes of output omitted] ...\n\n"
 
 
@@ -209,7 +208,7 @@ def _preexec(mode: str, run_dir: str, timeout_s: float, nproc: int, cgroup_procs
     trainer included): in the namespace modes that is `unshare --kill-child`, whose death takes the
     pid namespace with it; otherwise a run sleeping in a syscall (no CPU time) would outlive us.
     In mode "seccomp", confine (seccomp + Landlock) last."""
-    confine._libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    confine.die_with_parent(os.getppid())
     confine.pin_to_rollout_cpus()
     if cgroup_procs:
         with open(cgroup_procs, "w") as f:
@@ -509,7 +508,7 @@ class _ForkServer:
 
 
 def _server_preexec(cgroup_procs: str | None) -> None:
-    confine._libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    confine.die_with_parent(os.getppid())
     confine.pin_to_rollout_cpus()
     if cgroup_procs:
         with open(cgroup_procs, "w") as f:

@@ -12,7 +12,6 @@ PR_SET_PDEATHSIG=SIGKILL, and the workers are spawned from one long-lived thread
 sends that signal when the spawning *thread* exits.
 """
 
-import ctypes
 import json
 import logging
 import os
@@ -152,9 +151,9 @@ def _verify(gold: str, predicted: str) -> bool:
 
 
 def _worker_main(parent_pid: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the trainer, even on SIGKILL
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    from confine import die_with_parent  # run as a script: envs/ is sys.path[0]
+
+    if not die_with_parent(parent_pid):  # die with the trainer, even on SIGKILL
         return
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer; it kills us on exit
     # With timeouts off, math-verify warns "Timeout is disabled" on every call: silence that.

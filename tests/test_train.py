@@ -100,7 +100,7 @@ def test_batch_timeout_names_a_dead_worker_and_a_down_server():
     with pytest.raises(BatchTimeout) as e:
         collect_groups(worker, 2, 0, _args(), ["http://127.0.0.1:9"], {"stop": False})
     msg = str(e.value)
-    assert "rollout worker thread died" in msg
+    assert "rollout worker died" in msg
     assert "not healthy: http://127.0.0.1:9" in msg
     assert "GenerationError: boom" in msg and "0/2 groups" in msg
 

@@ -1,0 +1,197 @@
+"""The rollout worker in a process of its own, so that its work never lands on the trainer's GIL or core.
+
+In one process, the rollout thread (asyncio, aiohttp, JSON, the tool loop, sandbox bookkeeping,
+scoring) held the GIL about a third of the time and the trainer's steps took twice as long with
+rollouts running beside them. Here the same `rollout.AsyncRolloutWorker` runs in a spawned child,
+pinned to --rollout-cpus with everything it starts; the trainer sees the interface it had:
+
+- `queue.get(timeout)` gives the next scored `RolloutGroup` (queue.Empty on timeout);
+- `set_version(v)` / `discard(n)` go to the child through shared integers (admission reads them);
+- `stats`, `client.stats`, `client.down`, `exhausted` are the child's latest report (≤ 0.2 s old);
+- `alive` is the child process; `stop()` returns within its timeout whatever the child does.
+
+The child is built from a picklable `build(expected_version) -> AsyncRolloutWorker` (the trainer's
+`rollout_worker`, which loads the tokenizer and the env the same way the trainer does), right when this
+object is made; it waits for `start()` before it admits a group, so the build overlaps the trainer's
+start-up eval. It dies with the trainer, however the trainer dies (PR_SET_PDEATHSIG), and takes its
+sandbox runs and answer-checking workers with it (theirs are set the same way).
+"""
+
+import copy
+import logging
+import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from envs.confine import die_with_parent, pin_to_rollout_cpus
+from rollout import ClientStats, WorkerStats
+
+logger = logging.getLogger(__name__)
+
+REPORT_EVERY_S = 0.2  # how stale the trainer's view of the child's counters may be
+
+
+@dataclass
+class Report:
+    """The child's counters, sent when they change. `groups_sent` lets the trainer tell "all rows used
+    and every group delivered" from "the last groups are still in the pipe"."""
+
+    stats: WorkerStats
+    client_stats: ClientStats
+    down: set[str]
+    exhausted: bool
+    groups_sent: int
+
+
+@dataclass
+class ClientView:
+    """What the trainer reads of the child's VLLMClient; `expected_version` is the trainer's own getter
+    (the weight version servers must report before the client routes to them)."""
+
+    expected_version: Callable[[], object]
+    stats: ClientStats = field(default_factory=ClientStats)
+    down: set[str] = field(default_factory=set)
+
+
+class RolloutProcess:
+    def __init__(
+        self,
+        build: Callable,
+        expected_version: Callable[[], int],
+        start_version: int,
+        stop_timeout_s: float = 10.0,
+    ):
+        ctx = mp.get_context("spawn")  # fork would copy the trainer's threads, CUDA state and locks
+        self._client = ClientView(expected_version)
+        self._stats = WorkerStats()
+        self._exhausted, self._groups_sent, self._groups_received = False, 0, 0
+        self._groups = ctx.Queue()  # bounded by admission, as the thread worker's queue is
+        self._reports = ctx.Queue()
+        self._version = ctx.Value("q", start_version, lock=False)
+        self._expected = ctx.Value("q", expected_version(), lock=False)
+        self._discarded = ctx.Value("q", 0)  # += from the trainer thread: locked
+        self._go, self._stopping = ctx.Event(), ctx.Event()
+        shared = (self._version, self._expected, self._discarded, self._go, self._stopping)
+        self._proc = ctx.Process(
+            target=_child_main,
+            args=(build, os.getpid(), self._groups, self._reports, shared, stop_timeout_s),
+            name="rollout-worker",
+            daemon=True,
+        )
+        self._proc.start()
+        self.queue = self  # the trainer takes groups with `worker.queue.get(timeout=...)`
+
+    # --- called from the trainer thread ---------------------------------------------------------------
+    def start(self) -> None:
+        self._go.set()
+
+    def set_version(self, version: int) -> None:
+        self._expected.value = self._client.expected_version()
+        self._version.value = version
+
+    def discard(self, n: int = 1) -> None:
+        with self._discarded.get_lock():
+            self._discarded.value += n
+
+    def get(self, timeout: float):
+        self._read_reports()  # also while the trainer only waits: a dead child must be seen as dead
+        group = self._groups.get(timeout=timeout)
+        self._groups_received += 1
+        return group
+
+    @property
+    def alive(self) -> bool:
+        return self._proc.is_alive()
+
+    @property
+    def exhausted(self) -> bool:
+        self._read_reports()
+        return self._exhausted and self._groups_received == self._groups_sent
+
+    @property
+    def stats(self) -> WorkerStats:
+        self._read_reports()
+        return self._stats
+
+    @property
+    def client(self) -> ClientView:
+        self._read_reports()
+        return self._client
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Tell the child to stop (it cancels its requests and tools within its own timeout), keep
+        reading its reports meanwhile (a full pipe would block its exit), then kill it if it lingers."""
+        self._stopping.set()
+        self._go.set()
+        deadline = time.monotonic() + timeout_s + 5.0
+        while self._proc.is_alive() and time.monotonic() < deadline:
+            self._read_reports()
+            try:
+                self._groups.get(timeout=0.1)  # undelivered groups are dropped: the run is ending
+            except queue.Empty:
+                pass
+        if self._proc.is_alive():
+            logger.error("rollout process still alive %.1f s after stop(); killing it", timeout_s + 5.0)
+            self._proc.kill()
+        self._proc.join(5.0)
+        self._read_reports()
+
+    def _read_reports(self) -> None:
+        while True:
+            try:
+                report: Report = self._reports.get_nowait()
+            except (queue.Empty, OSError, ValueError):
+                return
+            self._stats, self._exhausted, self._groups_sent = (
+                report.stats,
+                report.exhausted,
+                report.groups_sent,
+            )
+            self._client.stats, self._client.down = report.client_stats, report.down
+
+
+def _child_main(build, parent_pid: int, groups, reports, shared, stop_timeout_s: float) -> None:
+    version, expected, discarded, go, stopping = shared
+    if not die_with_parent(parent_pid):
+        return
+    pin_to_rollout_cpus()  # the whole process, and everything it starts
+    # Ctrl-C and SIGTERM reach the whole process group; the trainer stops us between steps (stop()).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # A full pipe must not keep the child from exiting when the trainer has stopped reading.
+    groups.cancel_join_thread()
+    reports.cancel_join_thread()
+    worker = build(expected_version=lambda: expected.value)
+    while not go.wait(0.5):
+        pass
+    if stopping.is_set():
+        return
+    worker.start()
+    sent, applied_discards, last, t_report = 0, 0, None, 0.0
+    while not stopping.is_set() and worker.alive:
+        worker.set_version(version.value)
+        if discarded.value > applied_discards:
+            worker.discard(discarded.value - applied_discards)
+            applied_discards = discarded.value
+        exhausted = worker.exhausted  # before draining: every group it counts delivered is queued by now
+        try:
+            while True:
+                groups.put(worker.queue.get(timeout=0.02))
+                sent += 1
+        except queue.Empty:
+            pass
+        now = time.monotonic()
+        report = Report(worker.stats, worker.client.stats, set(worker.client.down), exhausted, sent)
+        if now - t_report >= REPORT_EVERY_S and report != last:
+            # A copy: the queue pickles it later, in its feeder thread, while the counters move on.
+            last, t_report = copy.deepcopy(report), now
+            reports.put(last)
+    worker.stop(timeout_s=stop_timeout_s)
+    reports.put(Report(worker.stats, worker.client.stats, set(worker.client.down), worker.exhausted, sent))
+    groups.close()
+    reports.close()
+    reports.join_thread()  # the last report reaches the trainer (it reads while it waits for us)

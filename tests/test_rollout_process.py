@@ -1,0 +1,89 @@
+"""The rollout worker in its own process (rollout_process.py), against the session's real vLLM server:
+the trainer's interface over the process boundary (groups, versions, discards, counters, exhaustion,
+stop), its CPU placement, and a child that dies or cannot start being seen as dead."""
+
+import functools
+import os
+import queue
+import time
+
+import pytest
+
+import train_async_grpo
+from envs.confine import ROLLOUT_CPUS_ENV
+from envs.data import load_rows
+from rollout_process import RolloutProcess
+
+REPO = train_async_grpo.Path(__file__).resolve().parent.parent
+
+
+def _args(model, *extra: str):
+    return train_async_grpo.parser.parse_args(
+        ["--model", str(model), "--env", "retool", "--num-generations", "2", "--max-turns", "2",
+         "--max-context", "512", "--prompts-per-step", "1", "--max-staleness", "0", "--sandbox-workers", "2",
+         "--seed", "3", *extra]
+    )  # fmt: skip
+
+
+def _cannot_build(*, expected_version):
+    raise RuntimeError("no tokenizer here")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_trainers_interface_over_the_process_boundary(vllm_server, served_model, monkeypatch):
+    cpus = sorted(os.sched_getaffinity(0))
+    monkeypatch.setenv(ROLLOUT_CPUS_ENV, str(cpus[-1]))
+    rows = load_rows(str(REPO / "data" / "retool_train.jsonl"))[:3]
+    # The trainer's own builder; one group per version, no staleness: a group is admitted only once the
+    # trainer reached the next version, or discarded one.
+    build = functools.partial(
+        train_async_grpo.rollout_worker, _args(served_model), None, [vllm_server.url], str(served_model),
+        rows, 0, 0, "envs.retool",
+    )  # fmt: skip
+    version = {"v": 0}
+    worker = RolloutProcess(build, lambda: version["v"], start_version=0)
+    try:
+        assert worker.alive and worker._proc.pid != os.getpid()
+        deadline = time.monotonic() + 60  # it pins itself first thing, once its interpreter is up
+        while os.sched_getaffinity(worker._proc.pid) != {cpus[-1]} and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert os.sched_getaffinity(worker._proc.pid) == {cpus[-1]}
+        with pytest.raises(queue.Empty):
+            worker.queue.get(timeout=10.0)  # it is built by now, but admits nothing before start()
+        assert worker.stats.groups_started == 0
+        worker.start()
+        first = worker.queue.get(timeout=300)
+        assert first.admitted_version == 0 and len(first.completions) == 2
+        with pytest.raises(queue.Empty):
+            worker.queue.get(timeout=5.0)  # version 0 admits one group only
+        assert worker.stats.groups_started == 1 and worker.client.stats.requests >= 2
+
+        version["v"] = 1
+        worker.set_version(1)
+        second = worker.queue.get(timeout=300)
+        assert second.admitted_version == 1
+        worker.discard(1)  # the trainer threw one away: a replacement is admitted at the same version
+        third = worker.queue.get(timeout=300)
+        assert third.admitted_version == 1 and third.row["_index"] == 2
+        time.sleep(2 * 0.2)  # the counters are at most a report period old
+        assert worker.stats.groups_discarded == 1 and worker.stats.groups_done == 3
+        with pytest.raises(queue.Empty):
+            worker.queue.get(timeout=3.0)  # 2 live groups at version 1, no staleness: nothing more
+    finally:
+        t0 = time.monotonic()
+        worker.stop(timeout_s=5.0)
+        stop_s = time.monotonic() - t0
+    assert not worker.alive and stop_s < 10.0
+    assert worker.stats.groups_started == 3  # the final report came through
+
+
+def test_a_rollout_process_that_cannot_build_its_worker_is_seen_dead():
+    worker = RolloutProcess(_cannot_build, lambda: 0, start_version=0)
+    deadline = time.monotonic() + 60
+    while worker.alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not worker.alive
+    with pytest.raises(queue.Empty):
+        worker.queue.get(timeout=0.1)
+    worker.stop(timeout_s=1.0)
