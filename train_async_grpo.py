@@ -56,9 +56,10 @@ Choices a reader should know before the code (see loss.py for the loss's own dep
     `--mini-batches N` splits the batch's sequences into N and takes one step on each, with π_old from
     one no-grad pass before the first: a real trust region (train/clip_*_frac > 0), for one extra
     forward. The denominators are each mini-batch's; train/loss and train/grad_norm are their means.
-  - `--rollout-cpus` puts the rollout thread, and the threads and processes it starts, on those CPUs
-    and the trainer on the rest (envs.confine.pin_to_rollout_cpus), so that generation-side work does not
-    slow the trainer's step. Python work in the rollout thread still shares the trainer's GIL.
+  - `--rollout-cpus` puts the launched servers and the rollout process (with the threads and processes it
+    starts) on those CPUs and the trainer on the rest (envs.confine.pin_to_rollout_cpus), so that
+    generation-side work does not slow the trainer's step (its own process already keeps it off the
+    trainer's GIL).
   - Precision: fp32 weights and AdamW state, bf16 forward/backward on GPU (`--compute-dtype`; autocast in
     one process, FSDP2's MixedPrecisionPolicy over fp32 shards); the sync casts to the servers' bf16.
     bf16 weights would not train: at lr 1e-6 an update is far below half a bf16 ulp.
@@ -145,7 +146,7 @@ parser.add_argument("--max-staleness", type=int, default=1, help="versions admit
 parser.add_argument("--drop-stale", action="store_true",
                     help="drop groups over --max-staleness when trained (biased against long episodes)")
 parser.add_argument("--rollout-cpus",
-                    help="CPUs for the rollout thread, its tools and rewards ('2-7'); default: no pinning")
+                    help="CPUs of launched servers, the rollout process, tools, rewards ('2-7')")
 parser.add_argument("--max-turns", type=int, default=4, help="assistant messages per completion")
 parser.add_argument("--max-calls-per-turn", type=int, default=1, help="hermes parallel tool calls per turn")
 parser.add_argument("--max-context", type=int, default=2048, help="prompt + completion tokens, hard cap")
@@ -256,7 +257,7 @@ def checkpoint_to_resume(resume: str | None, out_dir: Path) -> Path | None:
 
 
 def pin_rollout_cpus(args: argparse.Namespace) -> None:
-    """--rollout-cpus: the rollout thread and the tool/reward processes go to these CPUs
+    """--rollout-cpus: the rollout process and the tool/reward processes go to these CPUs
     (envs.confine.pin_to_rollout_cpus), the trainer and its threads to the rest, so rollouts do not slow
     the trainer's steps."""
     if args.rollout_cpus is None:
@@ -364,7 +365,7 @@ def start_rollouts(
         run.servers = start_vllm_servers(
             args.model, num_servers=len(server_gpus), gpus_per_server=args.vllm_tp if on_gpu else 1,
             log_dir=run.out_dir / "vllm-logs", timeout_s=args.server_timeout, max_model_len=args.max_context,
-            seed=args.seed, dtype=serving_dtype,
+            seed=args.seed, dtype=serving_dtype, cpus=args.rollout_cpus,  # generation side: rollout CPUs
         )  # fmt: skip
         urls, model_name = [s.url for s in run.servers], str(args.model)
         write_servers_file(run.servers, run.out_dir / "vllm-logs" / "servers.json")

@@ -218,7 +218,7 @@ def start_vllm_server(
     tensor_parallel_size: int = 1,
     kv_cache_gib: int = 1,
     seed: int = 0,
-    cpu_threads_bind: str | None = None,
+    cpus: str | None = None,
     extra_args: list[str] | None = None,
     log_dir: str | Path | None = None,
     wait: bool = True,
@@ -233,6 +233,8 @@ def start_vllm_server(
     server's own (unseeded requests); data-parallel servers get distinct ones (`start_vllm_servers`).
     `host` is the address it listens on: 127.0.0.1 for the trainer's own servers, an address other
     hosts can reach (or 0.0.0.0) for a server that trainers elsewhere use through --vllm-url.
+    `cpus` ('0', '2-5'): every process of the server runs there (taskset: the API server and the engine
+    core are busy Python processes too), and on CPU its OMP threads bind to them.
     """
     port = port or free_port()
     on_gpu = torch.cuda.is_available()
@@ -281,8 +283,10 @@ def start_vllm_server(
             env["CUDA_VISIBLE_DEVICES"] = visible_devices
     else:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
-        if cpu_threads_bind is not None:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind
+        if cpus is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
+    if cpus is not None:
+        cmd = ["taskset", "-c", cpus, *cmd]  # taskset execs the server: same pid, same process group
     log_path.unlink(missing_ok=True)
     server = VLLMServer(cmd, env, f"http://{host}:{port}", log_path)
     if wait:

@@ -5,10 +5,10 @@ the other, `--repeats` runs per setting, medians.
     python bench/bench_async.py [--staleness 0 1 2 4] [--repeats 3] [--steps 8] [--out bench/results.json]
     python bench/bench_async.py --staleness 0 1 --repeats 1 --steps 3 --skip 1   # a smoke run, ~6 min
 
-Cores: the server's CPU threads are pinned to --server-core (VLLM_CPU_OMP_THREADS_BIND), the trainer
+Cores: the server (every process of it, and its OMP threads) runs on --server-core, the trainer
 runs under `taskset -c --trainer-core` with OMP_NUM_THREADS=1, and `--rollout-cpus --server-core` moves
-its rollout thread (and the sandbox processes that thread starts) onto the server's core, so training
-owns its core and generation-side work shares the generator's.
+its rollout process (and the sandbox and answer-checking processes it starts) onto the server's core,
+so training owns its core and generation-side work shares the generator's.
 
 Per --max-staleness setting s (workload `equal`: retool, the same optimizer steps for every s):
   gen_tok_s         generated tokens / step seconds, median over the steady steps (after --skip)
@@ -122,7 +122,7 @@ def main() -> None:
     P, runs, same_conc, heavy = args.prompts_per_step, {}, {}, {}
     t0 = time.monotonic()
     with start_vllm_server(
-        args.model, cpu_threads_bind=args.server_core, max_model_len=args.max_context, log_dir=tmp
+        args.model, cpus=args.server_core, max_model_len=args.max_context, log_dir=tmp
     ) as server:
         for rep in range(args.repeats):  # repeats outermost: drift in the machine's load hits every setting
             for s in args.staleness:

@@ -26,6 +26,7 @@ from metrics import rollout_metrics
 from records import RolloutCompletion, RolloutGroup, TurnRecord, group_metrics
 from rollout import ClientStats, WorkerStats
 from sampling import Sampling, token_logprobs
+from vllm_server import group_pids
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -231,13 +232,18 @@ def _checksum(ckpt: Path) -> float:
 def test_end_to_end_kill_and_resume(tmp_path):
     out = tmp_path / "run"
     log1 = open(tmp_path / "run1.log", "w")
-    proc = subprocess.Popen(_cmd(out, 8), cwd=REPO, stdout=log1, stderr=subprocess.STDOUT)
+    rollout_cpu = max(os.sched_getaffinity(0))
+    cmd = _cmd(out, 8, "--rollout-cpus", str(rollout_cpu))
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log1, stderr=subprocess.STDOUT)
     ckpt2 = out / "checkpoints" / "step_000002"
     deadline = time.monotonic() + 600
     while not ckpt2.exists():
         assert proc.poll() is None, (tmp_path / "run1.log").read_text()[-4000:]
         assert time.monotonic() < deadline, "no step-2 checkpoint after 600 s"
         time.sleep(0.5)
+    # --rollout-cpus: the launched server, every process of it, is on the generation side's CPU.
+    server_pids = group_pids(json.loads((out / "vllm-logs" / "servers.json").read_text())[0]["pgid"])
+    assert server_pids and {os.sched_getaffinity(p) == {rollout_cpu} for p in server_pids} == {True}
     os.kill(proc.pid, signal.SIGKILL)  # kill -9 mid-run
     proc.wait()
     log1.close()
@@ -549,8 +555,6 @@ def test_two_ranks_under_torchrun(tmp_path):
     rank r the r-th half of each parameter's rows and no rank holds a whole copy, so "the ranks agree"
     means: each half moved (weight decay moves every weight each step) and the gathered checkpoint
     is a loadable model."""
-    from vllm_server import group_pids
-
     out = tmp_path / "run"
     cmd = _cmd(out, 3, "--micro-batch-tokens", "256")
     cmd[1:2] = ["-m", "torch.distributed.run", "--nproc-per-node", "2", cmd[1]]

@@ -2,6 +2,7 @@
 agree, and the launcher leaves nothing behind."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -64,12 +65,14 @@ def test_failed_start_reports_log_tail(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_server_dies_with_a_killed_parent(tiny_model, tmp_path):
-    """SIGKILL the process that started a server: the whole server process group must go with it."""
+    """SIGKILL the process that started a server: the whole server process group must go with it.
+    On the way: a server given `cpus` runs every one of its processes there."""
+    cpu = max(os.sched_getaffinity(0))
     child = textwrap.dedent(
         f"""
         import os, sys, time
         from vllm_server import group_pids, start_vllm_server
-        s = start_vllm_server({str(tiny_model)!r}, log_dir={str(tmp_path)!r})
+        s = start_vllm_server({str(tiny_model)!r}, log_dir={str(tmp_path)!r}, cpus="{cpu}")
         print(s.proc.pid, flush=True)
         time.sleep(600)
         """
@@ -77,7 +80,9 @@ def test_server_dies_with_a_killed_parent(tiny_model, tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
     try:
         server_pgid = int(proc.stdout.readline())
-        assert group_pids(server_pgid), "server group should be running before the kill"
+        pids = group_pids(server_pgid)
+        assert len(pids) >= 3, "the API server, engine core and worker should be running before the kill"
+        assert {p: os.sched_getaffinity(p) for p in pids} == {p: {cpu} for p in pids}
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
         deadline = time.monotonic() + 30
