@@ -184,14 +184,18 @@ def _child_main(build, parent_pid: int, groups, reports, shared, stop_timeout_s:
                 sent += 1
         except queue.Empty:
             pass
-        now = time.monotonic()
-        report = Report(worker.stats, worker.client.stats, set(worker.client.down), exhausted, sent)
-        if now - t_report >= REPORT_EVERY_S and report != last:
-            # A copy: the queue pickles it later, in its feeder thread, while the counters move on.
-            last, t_report = copy.deepcopy(report), now
-            reports.put(last)
+        if time.monotonic() - t_report >= REPORT_EVERY_S:  # not every 20 ms pass: a report is a copy
+            report, t_report = _report(worker, exhausted, sent), time.monotonic()
+            if report != last:
+                reports.put(report)
+                last = report
     worker.stop(timeout_s=stop_timeout_s)
-    reports.put(Report(worker.stats, worker.client.stats, set(worker.client.down), worker.exhausted, sent))
+    reports.put(_report(worker, worker.exhausted, sent))
     groups.close()
     reports.close()
     reports.join_thread()  # the last report reaches the trainer (it reads while it waits for us)
+
+
+def _report(worker, exhausted: bool, sent: int) -> Report:
+    # A copy: the queue pickles it later, in its feeder thread, while the counters move on.
+    return copy.deepcopy(Report(worker.stats, worker.client.stats, set(worker.client.down), exhausted, sent))

@@ -168,9 +168,12 @@ if HAVE_VLLM:
             # The same rank arithmetic as vLLM's NCCL engine (worker_init_process_group).
             rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
             self.bucket_bytes = init_info.bucket_bytes
-            info = init_info
             self.store, self.group = gloo_group(
-                info.master_address, info.master_port, rank, info.world_size, info.timeout_s
+                init_info.master_address,
+                init_info.master_port,
+                rank,
+                init_info.world_size,
+                init_info.timeout_s,
             )
 
         def start_weight_update(self) -> None:
