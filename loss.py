@@ -29,11 +29,17 @@ def group_advantages(
 
     std is the population std (divide by G, not G − 1): defined for G = 1, and ±1 for a two-valued
     group with equal counts. TRL uses the sample std, so its advantages are smaller by
-    sqrt((G − 1)/G). scale_by_std=False gives r_i − mean r (Dr. GRPO). Equal rewards give zeros.
+    sqrt((G − 1)/G). scale_by_std=False gives r_i − mean r (Dr. GRPO).
+
+    Equal rewards give exactly 0 for any float, by test rather than by arithmetic: the mean of eight
+    0.7s is not 0.7 in floating point, and the rounding error divided by std + eps is an advantage of
+    up to 5e-2 that --keep-zero-variance would train on. Computed in float64, returned as float32.
     """
-    r = torch.as_tensor(rewards, dtype=torch.float32)
+    r = torch.as_tensor(rewards, dtype=torch.float64)
+    if r.numel() == 0 or bool((r == r[0]).all()):
+        return torch.zeros(r.shape, dtype=torch.float32)
     adv = r - r.mean()
-    return adv / (r.std(correction=0) + eps) if scale_by_std else adv
+    return (adv / (r.std(correction=0) + eps) if scale_by_std else adv).float()
 
 
 def grpo_loss(
@@ -59,7 +65,9 @@ def grpo_loss(
     Inputs are 1-D over the T tokens of several concatenated sequences (no padding): `advantages`
     is each sequence's advantage repeated over its tokens; `loss_mask` is 1 = train this token,
     0 = prompt / tool output / template; `seq_index` (int64) numbers each token's sequence 0..S−1.
-    Values at masked positions must be finite (use 0).
+    Values at masked positions may be anything, −inf and NaN included (a truncated distribution gives
+    −inf to a prompt token outside its kept set): they contribute exactly 0 to the loss, the metrics
+    and the gradient.
 
         r_t   = exp(log π_θ − log π_old)                     PPO ratio
         w_t   = min(exp(log π_old − log μ), C)               truncated IS weight, detached
@@ -87,7 +95,16 @@ def grpo_loss(
     if loss_norm not in ("token", "sequence"):
         raise ValueError(f"loss_norm must be 'token' or 'sequence', got {loss_norm!r}")
     m = loss_mask.to(logprobs.dtype)
-    old, beh = old_logprobs.detach(), behaviour_logprobs.detach()
+    on = loss_mask.bool()
+    # Masked positions are replaced by 0 BEFORE any arithmetic: −inf − (−inf) is NaN, NaN × 0 is NaN, and
+    # a where() after the arithmetic would still send NaN back through exp() in the backward pass.
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    logprobs = torch.where(on, logprobs, zero)
+    old = torch.where(on, old_logprobs.detach(), zero)
+    beh = torch.where(on, behaviour_logprobs.detach(), zero)
+    advantages = torch.where(on, advantages, zero)
+    if ref_logprobs is not None:
+        ref_logprobs = torch.where(on, ref_logprobs.detach(), zero)
 
     ratio = torch.exp(logprobs - old)
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
@@ -113,7 +130,6 @@ def grpo_loss(
         loss = (seq_sum / seq_len.clamp(min=1)).sum() / denom
 
     with torch.no_grad():
-        on = loss_mask.bool()
         metrics = {
             "tokens": m.sum(),
             "clip_low": ((advantages < 0) & (ratio < 1 - eps_low) & on).sum().to(m.dtype),
@@ -126,5 +142,5 @@ def grpo_loss(
         if kl_beta > 0:
             metrics["kl_ref"] = (k3 * m).sum()
         if entropy is not None:
-            metrics["entropy"] = (entropy.detach() * m).sum()
+            metrics["entropy"] = torch.where(on, entropy.detach(), zero).sum()
     return loss, metrics

@@ -79,13 +79,18 @@ def keep_threshold(
     return out
 
 
-def processed_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+def processed_logits(
+    logits: torch.Tensor, sampling: Sampling, keep: torch.Tensor | None = None
+) -> torch.Tensor:
     """(N, V) fp32 logits of the distribution vLLM samples from: / temperature, then −inf outside the
-    top-k / top-p set. Differentiable in the kept logits."""
+    top-k / top-p set. Differentiable in the kept logits. `keep` (N,): a token per row that stays in the
+    kept set whatever the truncation says (see token_logprobs_and_entropy)."""
     scaled = logits.float() / sampling.temperature
     if not sampling.truncates:
         return scaled
     threshold = keep_threshold(scaled.detach(), sampling)
+    if keep is not None:
+        threshold = torch.minimum(threshold, scaled.detach().gather(1, keep[:, None])[:, 0])
     return scaled.masked_fill(scaled < threshold[:, None], float("-inf"))
 
 
@@ -93,8 +98,15 @@ def token_logprobs_and_entropy(
     logits: torch.Tensor, targets: torch.Tensor, sampling: Sampling, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log π(targets) under the processed distribution, and (optionally, no grad) its entropy.
-    logits (N, V), targets (N,)."""
-    scaled = processed_logits(logits, sampling)
+    logits (N, V), targets (N,).
+
+    The target always stays in the kept set: a row's threshold is lowered to the target's logit where
+    the target falls below it. A token vLLM sampled was in vLLM's set; in fp32 the two sets are the same
+    and this changes nothing, but in bf16 a token at the nucleus edge can fall just outside the trainer's
+    set, and a −inf logprob on a trained token is a NaN step. Kept, it adds that edge token's mass (and
+    that of any token between it and the threshold) to the row's normalizer. Prompt and tool tokens
+    (masked) get finite logprobs this way too; the loss ignores whatever is there anyway."""
+    scaled = processed_logits(logits, sampling, keep=targets)
     logz = torch.logsumexp(scaled, dim=-1)  # (N,)
     logprobs = scaled.gather(-1, targets[:, None]).squeeze(-1) - logz
     entropy = None

@@ -326,3 +326,46 @@ def test_mini_and_micro_batches_add_up_to_the_reference(batch):
     assert tokens == sum(mask)
     assert clip_low == sum(1 for i, r in enumerate(ratio) if mask[i] and adv_all[i] < 0 and r < 0.8)
     assert clip_high == sum(1 for i, r in enumerate(ratio) if mask[i] and adv_all[i] > 0 and r > 1.28)
+
+
+# ---- what masked positions and equal rewards contribute: exactly nothing ------------------------------
+
+
+@pytest.mark.parametrize("rewards", [[0.7] * 8, [0.1] * 8, [0.3] * 16, [-0.9] * 4, [-0.8] * 8, [1 / 3] * 5])
+def test_equal_non_dyadic_rewards_give_exactly_zero_advantages(rewards):
+    """0.7 × 8 has a float mean ≠ 0.7: divided by std + eps that rounding was an advantage of ~5e-2."""
+    for scale in (True, False):
+        assert torch.equal(group_advantages(rewards, scale_by_std=scale), torch.zeros(len(rewards)))
+
+
+@pytest.mark.parametrize("norm", ["token", "sequence"])
+@pytest.mark.parametrize("junk", [float("-inf"), float("nan"), float("inf")])
+def test_masked_positions_contribute_nothing_whatever_their_logprob(norm, junk):
+    """A truncated distribution gives −inf to prompt tokens outside its kept set (the first token of
+    each packed sequence, any prompt token): the loss, its metrics and its gradient are those of the
+    same batch with 0 there, and finite."""
+    gen = torch.Generator().manual_seed(0)
+    T = 12
+    mask = torch.tensor([0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 0, 1], dtype=torch.float64)
+    seq = torch.tensor([0] * 6 + [1] * 6)
+    base = -torch.rand(T, generator=gen, dtype=torch.float64)
+    beh = base - 0.1 * torch.rand(T, generator=gen, dtype=torch.float64)
+    adv = torch.where(seq == 0, 0.5, -1.25).double()
+    ref = base + 0.05
+    kw = dict(loss_norm=norm, kl_beta=0.1, entropy=torch.rand(T, generator=gen, dtype=torch.float64))
+
+    def run(fill):
+        lp = torch.where(mask.bool(), base, fill).requires_grad_()
+        poisoned = lambda x: torch.where(mask.bool(), x, fill)  # noqa: E731
+        loss, m = grpo_loss(lp, poisoned(base), poisoned(beh), poisoned(adv), mask, seq,
+                            ref_logprobs=poisoned(ref), **kw)  # fmt: skip
+        loss.backward()
+        return loss, lp.grad, m
+
+    loss0, grad0, m0 = run(torch.tensor(0.0, dtype=torch.float64))
+    loss, grad, m = run(torch.tensor(junk, dtype=torch.float64))
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert torch.equal(loss, loss0) and torch.equal(grad, grad0)
+    assert torch.equal(grad[~mask.bool()], torch.zeros(int((mask == 0).sum()), dtype=torch.float64))
+    for k in m0:
+        assert torch.equal(m[k], m0[k]), k

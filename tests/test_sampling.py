@@ -54,7 +54,16 @@ def test_processed_logprobs_equal_vllms_sampler(sampling):
         kept = ~torch.isinf(ours)
         torch.testing.assert_close(ours[kept], theirs[kept], atol=1e-6, rtol=0)
     lp, entropy = token_logprobs_and_entropy(logits, targets, sampling, with_entropy=True)
-    torch.testing.assert_close(lp, ours.gather(1, targets[:, None])[:, 0])
+    target_kept = kept.gather(1, targets[:, None])[:, 0]
+    torch.testing.assert_close(lp[target_kept], ours.gather(1, targets[:, None])[target_kept, 0])
+    # a target outside the set stays in it (finite): the set grows down to the target's logit
+    scaled = logits.float() / sampling.temperature
+    target_logit = scaled.gather(1, targets[:, None])
+    with_target = kept | (scaled >= target_logit)
+    expected = torch.log_softmax(scaled.masked_fill(~with_target, float("-inf")), -1)
+    expected = expected.gather(1, targets[:, None])
+    torch.testing.assert_close(lp[~target_kept], expected[~target_kept, 0])
+    assert torch.isfinite(lp).all()
     assert torch.isfinite(entropy).all()
     if sampling.truncates:
         assert kept.sum(-1).max() < 1000
@@ -62,7 +71,8 @@ def test_processed_logprobs_equal_vllms_sampler(sampling):
 
 def test_truncated_logprobs_are_differentiable_in_the_kept_logits():
     logits = torch.randn(4, 50, requires_grad=True)
-    lp, _ = token_logprobs_and_entropy(logits, torch.zeros(4, dtype=torch.long), Sampling(1.0, top_k=5))
+    targets = logits.detach().argmax(-1)  # sampled tokens are in the kept set
+    lp, _ = token_logprobs_and_entropy(logits, targets, Sampling(1.0, top_k=5))
     lp.sum().backward()
     assert torch.isfinite(logits.grad).all() and (logits.grad != 0).sum(-1).max() <= 5
 

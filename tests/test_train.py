@@ -2,7 +2,9 @@
 resumable row stream, argument checks, and the real pipeline end to end (a subprocess with its own vLLM
 server and weight sync: a few steps, kill -9, --resume at the same step)."""
 
+import argparse
 import json
+import math
 import os
 import queue
 import signal
@@ -91,9 +93,10 @@ def _fake_worker(alive: bool, groups=(), **stats):
 
 
 def _args(drop_stale: bool = False, **kw):
-    return SimpleNamespace(
-        batch_timeout=1.0, max_staleness=1, keep_zero_variance=False, drop_stale=drop_stale, **kw
-    )
+    """The real parser's defaults (a default that changed, e.g. --drop-stale on, must fail the tests that
+    rely on it), with a short batch timeout."""
+    args = T.parser.parse_args(["--model", "m", "--batch-timeout", "1"] + ["--drop-stale"] * drop_stale)
+    return SimpleNamespace(**vars(args) | kw)
 
 
 def test_batch_timeout_names_a_dead_worker_and_a_down_server():
@@ -307,17 +310,20 @@ def test_end_to_end_kill_and_resume(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 # RANKS: FSDP2 over gloo gives the one-process gradient; the real script under torchrun
 # ---------------------------------------------------------------------------------------------------
-def _step_args() -> SimpleNamespace:
-    return SimpleNamespace(
-        micro_batch_tokens=24, temperature=0.8, top_p=1.0, top_k=0, eps_low=0.2, eps_high=0.28, is_cap=2.0,
-        loss_norm="token", kl_beta=0.0, max_grad_norm=1e9,  # no clipping: would hide a wrong gradient scale
-        mini_batches=1, compute_dtype="fp32",
-    )  # fmt: skip
+def _step_args(*flags: str) -> argparse.Namespace:
+    """The real parser's defaults and `flags`; 24-token micro-batches (several per batch), T = 0.8, and
+    no gradient clipping (it would hide a wrong gradient scale)."""
+    args = T.parser.parse_args(
+        ["--model", "m", "--micro-batch-tokens", "24", "--temperature", "0.8", "--max-grad-norm", "1e9"]
+        + list(flags)
+    )
+    args.compute_dtype = args.compute_dtype or "fp32"
+    return args
 
 
 def _one_sgd_step(
     model_dir: Path, seqs: list[dict], rank: int, world_size: int, loss_norm: str, mini_batches: int = 1,
-    lr: float = 0.5, compute_dtype: str = "fp32",
+    lr: float = 0.5, compute_dtype: str = "fp32", flags: tuple[str, ...] = (),
 ) -> tuple:  # fmt: skip
     """One train_step with plain SGD (update = −lr · gradient, so the update shows the gradient's scale;
     AdamW's first step would not). Returns (metrics, full weights, traced logprobs) on rank 0."""
@@ -329,7 +335,7 @@ def _one_sgd_step(
         shard_model(model, compute_dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    args = _step_args()
+    args = _step_args(*flags)
     args.loss_norm, args.mini_batches, args.compute_dtype = loss_norm, mini_batches, compute_dtype
     cpu = torch.device("cpu")
     seen = []  # the dtype of the weights a layer computes with (FSDP2 swaps in the gathered ones)
@@ -370,18 +376,31 @@ def _seqs_for_ranks() -> list[dict]:
     return seqs
 
 
-def _reference_steps(model_dir: Path, seqs: list[dict], n_mini: int, loss_norm: str, lr: float) -> tuple:
+def _reference_steps(
+    model_dir: Path, seqs: list[dict], n_mini: int, loss_norm: str, lr: float, top_k: int = 0,
+    top_p: float = 1.0,
+) -> tuple:  # fmt: skip
     """The PPO update written out: π_old of every sequence from one no-grad forward (for N = 1 the same
     numbers as the forward's own, detached), then per 1/N of the sequences one SGD step on the loss of
     the formula in loss.py, each sequence forwarded alone (no packing), denominators of that 1/N.
+    Logprobs are those of vLLM's own top-k/top-p code (the sampler the servers run) at T = 0.8.
     Returns (mean loss, [loss tokens, clip_low tokens, clip_high tokens], weights)."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    sampling = Sampling(0.8)
 
     def logprobs(s):
         ids = torch.tensor(s["ids"])[None]
-        return token_logprobs(model, ids, torch.arange(ids.shape[1])[None], sampling)[0]
+        logits = model(input_ids=ids, use_cache=False).logits[0, :-1] / 0.8
+        k = torch.full((len(logits),), top_k) if top_k else None
+        p = torch.full((len(logits),), top_p) if top_p < 1 else None
+        dropped = torch.isinf(apply_top_k_top_p_pytorch(logits.detach().clone(), k, p))  # it works in place
+        # the trainer's one rule on top of vLLM's: the target stays in (the set grows down to its logit), so
+        # a token that left the set after a mini-batch's update is not −inf (sampling.py)
+        dropped &= logits.detach() < logits.detach().gather(1, ids[0, 1:, None])
+        lp = torch.log_softmax(logits.masked_fill(dropped, float("-inf")), -1)
+        return torch.cat([lp.new_zeros(1), lp.gather(1, ids[0, 1:, None])[:, 0]])
 
     with torch.no_grad():
         old = [logprobs(s) for s in seqs]
@@ -430,6 +449,39 @@ def test_mini_batches_take_the_hand_written_ppo_steps(tiny_model, norm, n_mini):
     assert (clip_low > 0 and clip_high > 0) == (n_mini > 1)  # both clipped branches are exercised
     for k in weights:
         torch.testing.assert_close(weights[k], ref_weights[k], atol=1e-6, rtol=1e-5, msg=k)
+
+
+def _greedy_seqs(model_dir: Path) -> list[dict]:
+    """_seqs_for_ranks with each completion replaced by the model's greedy continuation of its prompt:
+    tokens a truncated sampler can draw (a random token falls outside a top-k set)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    seqs = _seqs_for_ranks()
+    for s in seqs:
+        n_prompt, n = s["mask"].index(1), len(s["ids"])
+        ids = torch.tensor(s["ids"][:n_prompt])[None]
+        with torch.no_grad():
+            s["ids"] = model.generate(ids, max_new_tokens=n - n_prompt, min_new_tokens=n - n_prompt,
+                                      do_sample=False)[0].tolist()  # fmt: skip
+    return seqs
+
+
+@pytest.mark.parametrize("n_mini", [1, 2])
+def test_top_k_top_p_train_the_hand_written_step_with_vllms_truncation(tiny_model, n_mini):
+    """--top-k 20 --top-p 0.9 from the real parser: the trainer's loss forward uses the truncated
+    distribution (a trainer that ignored the flags, or any other truncation, fails here), and its loss
+    is finite. With 2 mini-batches the first step pushes some of the second's tokens out of the kept
+    set; they stay in it (finite), as the reference has it."""
+    seqs = _greedy_seqs(tiny_model)
+    flags, lr = ("--top-k", "20", "--top-p", "0.9"), 0.5
+    metrics, weights, _ = _one_sgd_step(tiny_model, seqs, 0, 1, "token", n_mini, lr=lr, flags=flags)
+    loss, (n_tok, _, _), ref_weights = _reference_steps(tiny_model, seqs, n_mini, "token", lr, 20, 0.9)
+    assert math.isfinite(metrics["train/loss"]) and math.isfinite(metrics["train/grad_norm"])
+    assert metrics["train/loss"] == pytest.approx(loss, rel=1e-5)
+    assert metrics["train/loss_tokens"] == n_tok
+    for k in weights:
+        torch.testing.assert_close(weights[k], ref_weights[k], atol=1e-6, rtol=1e-5, msg=k)
+    untruncated, _, _ = _one_sgd_step(tiny_model, seqs, 0, 1, "token", n_mini, lr=lr)
+    assert untruncated["train/loss"] != pytest.approx(loss, rel=1e-3)  # truncation changes this step
 
 
 def test_the_clip_is_live_with_mini_batches(tiny_model):
