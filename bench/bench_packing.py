@@ -13,13 +13,15 @@ repeat so that a busy machine slows them alike:
   dense R       the same rows on transformers' own sdpa, which masks a row with a dense T × T
                 block-diagonal causal mask (cost (Σ len)²): the trainer before per-sequence attention
 Per repeat: tokens/s of each; ratios packed / unpacked and dense / unpacked within the repeat; medians.
+Seconds are this process's CPU seconds on one torch thread (bench_async.py's trainer also runs on one
+core): on an idle core they are the wall-clock seconds, and on a shared machine (this one is) they leave
+out the time other jobs held the core, which wall-clock ratios of runs minutes apart would not.
 
 FLOP bound: the step's matmul FLOPs (forward + backward = 3 × forward: 2 · in · out per token of every
 Linear incl. the LM head, and each sequence's causal attention, 2 · len² · heads · head_dim per layer)
 over the FLOP/s this CPU reaches with plain matmuls of the same sizes (every Linear's forward and its two
-backward matmuls on a row of R tokens, same threads). `over_bound` = trainer tokens/s / bound tokens/s:
-1.0 would be a trainer doing nothing but its matmuls at the machine's matmul speed. --threads (default 1:
-the machine is shared; bench_async.py's trainer also runs on one core) for all of it.
+backward matmuls on a row of R tokens). `over_bound` = trainer tokens/s / bound tokens/s:
+1.0 would be a trainer doing nothing but its matmuls at the machine's matmul speed (one core's).
 """
 
 import argparse
@@ -56,9 +58,9 @@ def random_sequences(n: int, min_len: int, max_len: int, vocab: int, seed: int =
 
 
 def step_seconds(model, optimizer, scheduler, seqs: list[dict], args) -> float:
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     train_step(model, None, optimizer, scheduler, seqs, args, 0, 1, torch.device("cpu"))
-    return time.perf_counter() - t0
+    return time.process_time() - t0
 
 
 def median_ratio(slow_s: list[float], fast_s: list[float]) -> float:
@@ -90,10 +92,10 @@ def matmul_flops_per_s(model, tokens: int, repeats: int = 5) -> float:
         ops.append((x, w, g))
 
     def once() -> float:
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         for x, w, g in ops:
             x @ w.T, g @ w, g.T @ x
-        return time.perf_counter() - t0
+        return time.process_time() - t0
 
     once()
     seconds = statistics.median(once() for _ in range(repeats))
@@ -109,10 +111,9 @@ def main() -> None:
     p.add_argument("--min-len", type=int, default=64, help="shortest sequence (tokens)")
     p.add_argument("--max-len", type=int, default=448, help="longest sequence (tokens)")
     p.add_argument("--repeats", type=int, default=5, help="alternating repeats (medians are reported)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--out", default=None, help="JSON results file to merge into")
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(1)
     torch.manual_seed(0)
 
     tmp = tempfile.TemporaryDirectory(prefix="bench-packing-")
@@ -166,7 +167,7 @@ def main() -> None:
         }
     result["settings"] = (
         f"{args.sequences} sequences of {args.min_len}-{args.max_len} tokens ({tokens} tokens), one "
-        f"train_step each (fp32, AdamW), {args.threads} thread(s), medians of {args.repeats} "
+        f"train_step each (fp32, AdamW), CPU seconds of one thread, medians of {args.repeats} "
         "alternating repeats"
     )
     result["command"] = "python bench/bench_packing.py " + " ".join(sys.argv[1:])
