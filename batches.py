@@ -4,12 +4,13 @@ micro-batches for the forward pass, and the attention that keeps packed sequence
 
 Packing: every micro-batch is ONE row of concatenated sequences (no padding) whose position_ids restart
 at 0 for each sequence. Left to itself, transformers (≥ 4.54) detects the restarts and builds a dense
-T × T block-diagonal causal mask for sdpa: attention then costs (Σ len)² per row, so packing long rows
-was slower than not packing (0.42× at 4096 tokens on CPU). The trainer's models therefore load with the
-attention `packed_attention` picks once at start-up: flash-attention 2 on GPU when `flash_attn`
-imports (transformers turns the restarts into varlen boundaries), else `per_sequence_sdpa`, causal
-sdpa on each sequence's slice of the row: Σ len² and no mask at all. Either way sequences do not see
-each other: tests/test_packing.py checks logprobs and gradients against one-sequence-at-a-time forwards.
+T × T block-diagonal causal mask for sdpa: attention then costs (Σ len)² per row, and long packed rows
+trained slower than one sequence per forward (bench/bench_packing.py, figure 2a "before"). The
+trainer's models load with the attention `packed_attention` picks once at start-up instead:
+flash-attention 2 for bf16 on GPU when `flash_attn` imports (transformers turns the restarts into varlen
+boundaries), else `per_sequence_sdpa`, causal sdpa on each sequence's slice of the row: Σ len², no
+mask. Either way sequences do not see each other: tests/test_packing.py checks logprobs and gradients
+against one-sequence-at-a-time forwards.
 """
 
 import random
@@ -254,10 +255,11 @@ def per_sequence_sdpa(
     return out.transpose(1, 2).contiguous(), None
 
 
-def packed_attention(device: torch.device) -> str:
-    """The attn_implementation of the trainer's models, chosen once at start-up: flash-attention 2 on
-    GPU when it imports (varlen over the row's restarts), else per-sequence sdpa (registered here)."""
-    if device.type == "cuda":
+def packed_attention(device: torch.device, compute_dtype: str) -> str:
+    """The attn_implementation of the trainer's models, chosen once at start-up: flash-attention 2 for
+    bf16 compute on GPU when it imports (varlen over the row's restarts; it has no fp32 kernels), else
+    per-sequence sdpa (registered here)."""
+    if device.type == "cuda" and compute_dtype == "bf16":
         try:
             import flash_attn  # noqa: F401
 

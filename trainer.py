@@ -31,7 +31,7 @@ def load_models(args: argparse.Namespace, ckpt: Path | None, device: torch.devic
     """(model, frozen reference model or None, param checksum of the loaded checkpoint or None).
     fp32 weights and optimizer state whatever the compute dtype (see train_step); FSDP2 over ranks.
     Both models attend within each sequence of a packed row (batches.packed_attention, named here)."""
-    attn = packed_attention(device)
+    attn = packed_attention(device, args.compute_dtype)
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(f"trainer attention: {attn} (each packed sequence attends only to itself)", flush=True)
     load = functools.partial(AutoModelForCausalLM.from_pretrained, attn_implementation=attn)

@@ -2,6 +2,8 @@
 Logprobs and gradients of the packed forward equal one-sequence-at-a-time forwards through transformers'
 own sdpa (fp32 within rounding, bf16 within the existing bound); the trainer loads it and says so."""
 
+import sys
+import types
 from types import SimpleNamespace
 
 import pytest
@@ -32,7 +34,7 @@ LENGTHS = [14, 7, 40, 4, 19]  # uneven, one very short
 @pytest.fixture(scope="module")
 def models(tiny_model):
     """(the trainer's packed-attention model, the same weights on transformers' plain sdpa)."""
-    attn = packed_attention(torch.device("cpu"))
+    attn = packed_attention(torch.device("cpu"), "bf16")
     assert attn == PER_SEQUENCE_SDPA
     packed = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation=attn)
     plain = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="sdpa")
@@ -114,3 +116,13 @@ def test_the_trainer_loads_the_packed_attention_and_names_it(tiny_model, capsys)
     model, ref_model, _ = load_models(args, None, torch.device("cpu"), world_size=1)
     assert model.config._attn_implementation == ref_model.config._attn_implementation == PER_SEQUENCE_SDPA
     assert f"trainer attention: {PER_SEQUENCE_SDPA}" in capsys.readouterr().out
+
+
+def test_flash_attention_only_for_bf16_on_gpu_when_it_imports(monkeypatch):
+    """No GPU here: the choice alone, with an importable stand-in for `flash_attn`."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert packed_attention(cuda, "bf16") == PER_SEQUENCE_SDPA  # flash_attn is not installed here
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    assert packed_attention(cuda, "bf16") == "flash_attention_2"
+    assert packed_attention(cuda, "fp32") == PER_SEQUENCE_SDPA  # flash-attention has no fp32 kernels
+    assert packed_attention(cpu, "bf16") == PER_SEQUENCE_SDPA
