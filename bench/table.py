@@ -66,8 +66,9 @@ def rows(r: dict) -> list[tuple[str, str, str, str]]:
         out.append((
             f"2b. trainer tok/s / its matmul FLOP bound (widen {pk['widen']})",
             f"{per('over_bound')} (bound {per('bound_tok_s')} tok/s at {per('matmul_gflop_s')} GFLOP/s)",
-            "bound: the step's matmul FLOPs at the speed of plain matmuls of the same sizes; the rest is "
-            "elementwise work (norms, RoPE, SiLU, the vocabulary log-softmax), AdamW, Python", pk["command"],
+            "bound: the step's matmul FLOPs (attention's too) at the speed of plain matmuls of the same "
+            "sizes; the rest: CPU sdpa runs below matmul speed, elementwise work (norms, RoPE, SiLU, the "
+            "vocabulary log-softmax), AdamW, Python", pk["command"],
         ))  # fmt: skip
     if "rollout_client_overhead" in r:
         o = r["rollout_client_overhead"]
