@@ -1,19 +1,24 @@
 """The data side of a step: the endless row stream the rollout worker reads, the groups a step takes off
-the worker's queue (and why none came, when none did), and their sequences packed into padding-free
-micro-batches for the forward pass.
+the worker's queue (and why none came, when none did), their sequences packed into padding-free
+micro-batches for the forward pass, and the attention that keeps packed sequences apart.
 
 Packing: every micro-batch is ONE row of concatenated sequences (no padding) whose position_ids restart
-at 0 for each sequence. With `use_cache=False` and no attention_mask, transformers (≥ 4.54) detects the
-restarts and builds a block-diagonal causal mask (sdpa, eager) or varlen boundaries (flash-attention), so
-sequences do not see each other; tests/test_train.py checks that packed logprobs equal
-one-sequence-at-a-time logprobs. The mask is (T × T) per micro-batch on sdpa: keep
-`--micro-batch-tokens` a few thousand.
+at 0 for each sequence. Left to itself, transformers (≥ 4.54) detects the restarts and builds a dense
+T × T block-diagonal causal mask for sdpa: attention then costs (Σ len)² per row, and long packed rows
+trained slower than one sequence per forward (bench/bench_packing.py, figure 2a "before"). The
+trainer's models load with the attention `packed_attention` picks once at start-up instead:
+flash-attention 2 for bf16 on GPU when `flash_attn` imports (transformers turns the restarts into varlen
+boundaries), else `per_sequence_sdpa`, causal sdpa on each sequence's slice of the row: Σ len², no
+mask. Either way sequences do not see each other: tests/test_packing.py checks logprobs and gradients
+against one-sequence-at-a-time forwards.
 """
 
 import random
 import time
 
 import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
 
 from vllm_server import healthy
 
@@ -193,3 +198,73 @@ def collate(seqs: list[dict], device) -> dict[str, torch.Tensor]:
         ),  # (T,)
         "seq_index": torch.tensor([k for k, s in enumerate(seqs) for _ in s["ids"]], device=device),  # (T,)
     }
+
+
+# ---------------------------------------------------------------------------------------------------
+# ATTENTION: each sequence of a packed row attends only to itself, at a cost of Σ len²
+# ---------------------------------------------------------------------------------------------------
+PER_SEQUENCE_SDPA = "per_sequence_sdpa"
+_segments_cache: list = [None, -1, []]  # (position_ids tensor, its version, its sequence lengths)
+
+
+def sequence_lengths(position_ids: torch.Tensor) -> list[int]:
+    """Lengths of the sequences of a packed row (1, T): a new one starts wherever the position does not
+    go up by one (transformers' rule, masking_utils.find_packed_sequence_indices). Every layer of one
+    forward gets the same tensor, so the (device-syncing) lengths are worked out once per forward."""
+    tensor, version, lengths = _segments_cache
+    if position_ids is not tensor or position_ids._version != version:
+        pos = position_ids[0]
+        starts = torch.cat([pos.new_zeros(1), 1 + (pos[1:] != pos[:-1] + 1).nonzero()[:, 0]])
+        bounds = torch.cat([starts, starts.new_tensor([len(pos)])]).tolist()
+        lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+        _segments_cache[:] = [position_ids, position_ids._version, lengths]
+    return lengths
+
+
+def per_sequence_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    position_ids: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """A transformers attention function (AttentionInterface) for the trainer's packed rows: causal sdpa
+    on each sequence's slice of the row, so the cost is Σ len² and no T × T mask exists. query (1, H, T,
+    D), key/value (1, H_kv, T, D) → (1, T, H, D). Needs position_ids (the row's restarts) and takes no
+    KV cache and no padding mask: the trainer's forwards have neither (transformers builds no mask for
+    an attention it has no mask function for, so a padding mask would be dropped, not applied)."""
+    if query.shape[0] != 1 or key.shape[2] != query.shape[2] or position_ids is None:
+        raise ValueError(
+            f"{PER_SEQUENCE_SDPA} runs one packed row (batch 1, position_ids, no KV cache); got query "
+            f"{tuple(query.shape)}, key {tuple(key.shape)}, position_ids {position_ids is not None}: "
+            "load the model with attn_implementation='sdpa' for other uses"
+        )
+    lengths = sequence_lengths(position_ids)
+    gqa = key.shape[1] != query.shape[1]
+    parts = [
+        F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa
+        )  # (1, H, len, D)
+        for q, k, v in zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2))
+    ]
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, 2)  # (1, H, T, D)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def packed_attention(device: torch.device, compute_dtype: str) -> str:
+    """The attn_implementation of the trainer's models, chosen once at start-up: flash-attention 2 for
+    bf16 compute on GPU when it imports (varlen over the row's restarts; it has no fp32 kernels), else
+    per-sequence sdpa (registered here)."""
+    if device.type == "cuda" and compute_dtype == "bf16":
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    AttentionInterface.register(PER_SEQUENCE_SDPA, per_sequence_sdpa)
+    return PER_SEQUENCE_SDPA

@@ -66,8 +66,9 @@ Choices a reader should know before the code (see loss.py for the loss's own dep
   - Logprobs are those of the distribution vLLM samples from (logits / T, then top-k / top-p
     truncation and renormalization: sampling.py), matching vLLM's processed logprobs. Every request
     states every sampling field, and a start-up probe refuses a server that samples otherwise.
-  - Packing: every micro-batch is ONE row of concatenated sequences, no padding (batches.py says how
-    they stay apart); keep `--micro-batch-tokens` a few thousand (sdpa's mask is T × T).
+  - Packing: every micro-batch is ONE row of concatenated sequences, no padding; each sequence attends
+    only to itself at a cost of Σ len² (batches.py), so rows of 512-4096 tokens train faster than one
+    sequence per forward (README, figure 2a).
   - train/mismatch_kl is k3 KL(μ ‖ π_old) over the whole batch; all micro-batches are before the update.
   - Accuracy = share of completions with reward ≥ 1 (the envs give exactly 1.0 for a correct answer).
   - Evaluation (`--eval-every`, evaluate.py) is greedy, at the start (not on resume), every N steps and

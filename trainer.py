@@ -5,12 +5,13 @@ the gathers of a weight sync, a re-score or a checkpoint. train_async_grpo.py de
 """
 
 import argparse
+import functools
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from batches import collate, pack
+from batches import collate, pack, packed_attention
 from chat_format import ChatTemplate
 from checkpoint import param_checksum, save_checkpoint
 from distributed import broadcast_message, gather_traced, rank_micro_batches, reduce_over_ranks, shard_model
@@ -28,8 +29,13 @@ def sampling_of(args: argparse.Namespace) -> Sampling:
 
 def load_models(args: argparse.Namespace, ckpt: Path | None, device: torch.device, world_size: int):
     """(model, frozen reference model or None, param checksum of the loaded checkpoint or None).
-    fp32 weights and optimizer state whatever the compute dtype (see train_step); FSDP2 over ranks."""
-    model = AutoModelForCausalLM.from_pretrained(ckpt or args.model, dtype=torch.float32).to(device)
+    fp32 weights and optimizer state whatever the compute dtype (see train_step); FSDP2 over ranks.
+    Both models attend within each sequence of a packed row (batches.packed_attention, named here)."""
+    attn = packed_attention(device, args.compute_dtype)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(f"trainer attention: {attn} (each packed sequence attends only to itself)", flush=True)
+    load = functools.partial(AutoModelForCausalLM.from_pretrained, attn_implementation=attn)
+    model = load(ckpt or args.model, dtype=torch.float32).to(device)
     model.train()
     if device.type == "cuda":
         model.gradient_checkpointing_enable()
@@ -37,7 +43,7 @@ def load_models(args: argparse.Namespace, ckpt: Path | None, device: torch.devic
     ref_model = None
     if args.kl_beta > 0:
         ref_dtype = torch.bfloat16 if args.compute_dtype == "bf16" else torch.float32  # frozen: no masters
-        ref_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=ref_dtype).to(device).eval()
+        ref_model = load(args.model, dtype=ref_dtype).to(device).eval()
         ref_model.requires_grad_(False)
     if world_size > 1:
         shard_model(model, args.compute_dtype)

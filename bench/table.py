@@ -51,6 +51,25 @@ def rows(r: dict) -> list[tuple[str, str, str, str]]:
             "1.0 when nothing is dropped; --drop-stale drops the slowest groups, the multi-turn ones",
             h["command"],
         ))  # fmt: skip
+    for key in sorted(k for k in r if k.startswith("packing")):
+        pk = r[key]
+        lengths = sorted(int(x.split("_")[1]) for x in pk if x.startswith("row_"))
+        per = lambda f, pk=pk, ns=lengths: ", ".join(f"{n}: {pk[f'row_{n}'][f]}" for n in ns)  # noqa: E731
+        out.append((
+            f"2a. trainer tok/s packed / unpacked, rows of {', '.join(map(str, lengths))} tokens "
+            f"(widen {pk['widen']})",
+            f"{per('packed_over_unpacked')}x (unpacked {pk['unpacked_tok_s']} tok/s); before (dense T × T "
+            f"mask): {per('dense_over_unpacked')}x",
+            "per-sequence attention costs Σ len² (the dense mask: (Σ len)²); fewer, longer forwards share "
+            "the per-forward Python and run larger matmuls", pk["command"],
+        ))  # fmt: skip
+        out.append((
+            f"2b. trainer tok/s / its matmul FLOP bound (widen {pk['widen']})",
+            f"{per('over_bound')} (bound {per('bound_tok_s')} tok/s at {per('matmul_gflop_s')} GFLOP/s)",
+            "bound: the step's matmul FLOPs (attention's too) at the speed of plain matmuls of the same "
+            "sizes; the rest: CPU sdpa runs below matmul speed, elementwise work (norms, RoPE, SiLU, the "
+            "vocabulary log-softmax), AdamW, Python", pk["command"],
+        ))  # fmt: skip
     if "rollout_client_overhead" in r:
         o = r["rollout_client_overhead"]
         out.append((
