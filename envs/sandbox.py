@@ -127,6 +127,17 @@ def visible_paths() -> tuple[list[str], dict[str, str]]:
     return binds, {k: v for k, v in links.items() if not any(k.startswith(q) for q in inside)}
 
 
+def _hidden_by_fresh_tmpfs() -> dict:
+    """What of the minimal root lies below /tmp or /dev/shm (a Python install in a temp dir, as a CI
+    clone has it), which a warm call's fresh tmpfs there would hide: the fork server puts it back."""
+    binds, links = visible_paths()
+
+    def below(p: str) -> bool:
+        return p.startswith(("/tmp/", "/dev/shm/"))
+
+    return {"binds": [p for p in binds if below(p)], "links": {k: v for k, v in links.items() if below(k)}}
+
+
 @functools.cache
 def _ns_prologue() -> str:
     """Shell run as root in the new namespaces. $1 = the run's base dir (run/ = the code's dir, root/ =
@@ -172,19 +183,26 @@ def _python_reachable_by_others() -> bool:
 
 def _command(mode: str, base: str, uid: int, server_fd: int | None = None) -> list[str]:
     """argv of one run (cwd is base/run in the modes without a mount namespace); with server_fd, of
-    the namespace modes' fork server instead, which stays the namespaces' root (envs/forkserver.py)."""
+    the namespace modes' fork server instead, which stays the namespaces' root (envs/forkserver.py).
+    Where `_maps_ids`, the run waits for `_map_ids` on its stdin, a socket."""
     python = [sys.executable, "-I", "main.py"]
-    ns = ["--net", "--pid", "--fork", "--kill-child", "--mount", "--propagation", "private"]
+    ns = ["unshare", "--net", "--pid", "--fork", "--kill-child", "--mount", "--propagation", "private"]
     shell = ["/bin/sh", "-c", _ns_prologue(), "sh", base]
-    if mode == "root-ns":
+    user = []
+    if _draws_uid(mode):
         drop = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs", "--"]
-    if mode == "user-ns":
+    elif mode == "user-ns":
         drop = ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
-        ns = ["--user", "--map-root-user", *ns]
+        ns.insert(1, "--map-root-user")
+    if _maps_ids(mode):
+        # A user namespace first, whose maps we write from outside: the other namespaces are made by
+        # a fresh exec once its root is mapped (an exec before that drops every capability).
+        user = ["unshare", "--user", "--", "/bin/sh", "-c", 'echo >&0; read _; exec "$@" </dev/null', "sh"]
     if mode in ("root-ns", "user-ns"):
         if server_fd is not None:
             drop, python = [], [sys.executable, "-I", "-c", _forkserver_source(), str(server_fd)]
-        return ["unshare", *ns, "--", *shell, *drop, *python]
+            python.append(json.dumps(_hidden_by_fresh_tmpfs()))
+        return [*user, *ns, "--", *shell, *drop, *python]
     if mode == "seccomp" and os.geteuid() == 0:
         if _python_reachable_by_others():
             return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *python]
@@ -199,20 +217,46 @@ def _forkserver_source() -> str:
 
 def _draws_uid(mode: str) -> bool:
     """Does the code run as its own drawn uid (so RLIMIT_NPROC and the kill-by-uid work)?"""
-    return mode == "root-ns" or (mode == "seccomp" and os.geteuid() == 0 and _python_reachable_by_others())
+    if mode == "seccomp":
+        return os.geteuid() == 0 and _python_reachable_by_others()
+    return mode == "root-ns" or _maps_ids(mode)
 
 
-def _preexec(mode: str, run_dir: str, timeout_s: float, nproc: int, cgroup_procs: str | None) -> None:
-    """Between fork and exec: join the memory cgroup, set the rlimits (inherited by the whole process
-    tree), and SIGKILL the run's first process when the thread that started it dies (a kill -9 of the
-    trainer included): in the namespace modes that is `unshare --kill-child`, whose death takes the
-    pid namespace with it; otherwise a run sleeping in a syscall (no CPU time) would outlive us.
+def _maps_ids(mode: str) -> bool:
+    return mode == "user-ns" and os.geteuid() == 0
+
+
+def _map_ids(pid: int, sock: socket.socket) -> None:
+    """Mode user-ns as root (`_maps_ids`): once run `pid` says (on `sock`, its stdin) that it is in its
+    new user namespace, map uid and gid 0 there to ours (the namespaces' root shell, which makes the
+    minimal root) and the sandbox uid range to itself (the code drops to a drawn uid in it, as in
+    root-ns; as the namespace's root it would be the real uid 0, which RLIMIT_NPROC exempts). A
+    multi-line map needs CAP_SETUID/CAP_SETGID where the namespace was made, which root without
+    CAP_SYS_ADMIN keeps. A run that died first is left to report its own exit. Blocking: call it off
+    the event loop."""
+    lo, hi = UID_RANGE
+    try:
+        sock.settimeout(30)
+        if sock.recv(1):
+            for name in ("uid_map", "gid_map"):
+                with open(f"/proc/{pid}/{name}", "w") as f:
+                    f.write(f"0 0 1\n{lo} {lo} {hi - lo + 1}\n")
+            sock.sendall(b"\n")
+    except OSError:
+        pass
+    finally:
+        sock.close()
+
+
+def _preexec(mode: str, run_dir: str, timeout_s: float, nproc: int, cgroup_procs: list[str]) -> None:
+    """Between fork and exec: join the sandbox cgroups (memory budget, process limit), set the rlimits
+    (inherited by the whole process tree), and SIGKILL the run's first process when the thread that
+    started it dies (a kill -9 of the trainer included): in the namespace modes that is `unshare
+    --kill-child`, whose death takes the pid namespace with it; otherwise a run sleeping in a syscall
+    (no CPU time) would outlive us.
     In mode "seccomp", confine (seccomp + Landlock) last."""
     confine.die_with_parent(os.getppid())
-    confine.pin_to_rollout_cpus()
-    if cgroup_procs:
-        with open(cgroup_procs, "w") as f:
-            f.write(str(os.getpid()))
+    _join(cgroup_procs)
     for name, limits in confine.rlimits(timeout_s, nproc).items():
         resource.setrlimit(getattr(resource, name), limits)
     if mode == "seccomp":
@@ -223,20 +267,31 @@ def _preexec(mode: str, run_dir: str, timeout_s: float, nproc: int, cgroup_procs
 def _probe(mode: str) -> bool:
     """Run print(1) in `mode`, synchronously (isolation_mode may be called inside an event loop)."""
     base = _make_base(mode, uid := random.SystemRandom().randint(*UID_RANGE), "print(1)")
+    ours, theirs = socket.socketpair() if _maps_ids(mode) else (None, None)
     try:
-        probe = subprocess.run(
+        with subprocess.Popen(
             _command(mode, base, uid),
             cwd=os.path.join(base, "run"),
             env=_env(mode, base),
-            capture_output=True,
-            timeout=30,
-            check=False,
-            preexec_fn=functools.partial(_preexec, mode, os.path.join(base, "run"), 30, _nproc(mode), None),
-        )
-        return probe.returncode == 0 and probe.stdout == b"1\n"
+            stdin=theirs.fileno() if theirs else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            preexec_fn=functools.partial(_preexec, mode, os.path.join(base, "run"), 30, _nproc(mode), []),
+        ) as probe:
+            if theirs:
+                theirs.close()
+                _map_ids(probe.pid, ours)
+            try:
+                out, _ = probe.communicate(timeout=30)
+            finally:
+                probe.kill()
+        return probe.returncode == 0 and out == b"1\n"
     except (OSError, subprocess.SubprocessError):
         return False
     finally:
+        for sock in (ours, theirs):
+            if sock:
+                sock.close()
         shutil.rmtree(base, ignore_errors=True)
 
 
@@ -272,6 +327,7 @@ def isolation_gaps() -> list[str]:
 
 def _make_base(mode: str, uid: int, code: str) -> str:
     """base/run (the code's dir, with main.py) and, in the namespace modes, base/root (a mount point)."""
+    remove_run_dirs_of_dead_processes()
     base = tempfile.mkdtemp(prefix=f"sandbox-{os.getpid()}-")
     run_dir = os.path.join(base, "run")
     os.mkdir(run_dir)
@@ -366,10 +422,9 @@ async def run_python(
     docstring. No concurrency cap: use a shared `Sandbox` for that. Never raises for anything the code
     does; a failure to start is reported in `error`.
     """
-    mode = isolation_mode()
+    mode, budget = isolation_mode(), memory_budget_bytes
     uid = random.SystemRandom().randint(*UID_RANGE)  # OS entropy: immune to random.seed()
     start = time.monotonic()
-    remove_run_dirs_of_dead_processes()
     cgroup = confine.memory_cgroup(memory_budget_bytes)
     ooms_before = confine.oom_kills(cgroup)
     base = _make_base(mode, uid, code)
@@ -377,24 +432,26 @@ async def run_python(
     timed_out, error = False, ""
     head, tail, total = b"", b"", 0
     proc = None
+    ours, theirs = socket.socketpair() if _maps_ids(mode) else (None, None)
     try:
-        proc = await asyncio.create_subprocess_exec(
-            *_command(mode, base, uid),
-            cwd=run_dir,
-            env=_env(mode, base),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=functools.partial(
-                _preexec,
-                mode,
-                run_dir,
-                timeout_s,
-                _nproc(mode),
-                cgroup and os.path.join(cgroup[0], "cgroup.procs"),
-            ),
-        )
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *_command(mode, base, uid),
+                cwd=run_dir,
+                env=_env(mode, base),
+                stdin=theirs.fileno() if theirs else asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=functools.partial(
+                    _preexec, mode, run_dir, timeout_s, _nproc(mode), confine.cgroup_procs(budget)
+                ),
+            )
+        finally:
+            if theirs:
+                theirs.close()
+        if ours:
+            await asyncio.to_thread(_map_ids, proc.pid, ours)
         drain = asyncio.ensure_future(_drain(proc.stdout, max_output_bytes))
         try:
             await asyncio.wait_for(proc.wait(), timeout_s)
@@ -413,6 +470,8 @@ async def run_python(
     except (OSError, subprocess.SubprocessError) as e:
         error = f"sandbox failed to start: {e}"
     finally:
+        if ours:
+            ours.close()
         shutil.rmtree(base, ignore_errors=True)
     exit_code = None if proc is None else proc.returncode
     oom = confine.oom_kills(cgroup) > ooms_before
@@ -457,7 +516,7 @@ class _ForkServer:
     """The server process and our end of its socket. Started by a thread of its own that lives as long
     as the server: PR_SET_PDEATHSIG fires when the thread that started a process ends."""
 
-    def __init__(self, mode: str, cgroup_procs: str | None):
+    def __init__(self, mode: str, cgroup_procs: list[str]):
         self.mode = mode
         self.base = _make_base(mode, 0, "")
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -467,20 +526,27 @@ class _ForkServer:
         self._ready_lock = threading.Lock()
 
         def keep() -> None:
+            maps, their_maps = socket.socketpair() if _maps_ids(mode) else (None, None)
             try:
                 self.proc = subprocess.Popen(
                     _command(mode, self.base, 0, server_fd=theirs.fileno()),
                     cwd=os.path.join(self.base, "run"),
                     env=_env(mode, self.base),
-                    stdin=subprocess.DEVNULL,
+                    stdin=their_maps.fileno() if their_maps else subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,
                     pass_fds=[theirs.fileno()],
                     start_new_session=True,
                     preexec_fn=functools.partial(_server_preexec, cgroup_procs),
                 )
+                if maps:
+                    their_maps.close()
+                    _map_ids(self.proc.pid, maps)
             finally:
                 theirs.close()
+                for sock in (maps, their_maps):
+                    if sock:
+                        sock.close()
                 self.started.set()
             self.proc.wait()
             self.sock.close()  # the next call's send fails: it goes cold, the next Sandbox call restarts
@@ -503,15 +569,28 @@ class _ForkServer:
             return self.ready
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            _signal_kill(self.proc)
+        """Kill the server and remove its dir now (at exit no thread is left to do it)."""
+        self.started.wait(60)
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                _signal_kill(self.proc)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        shutil.rmtree(self.base, ignore_errors=True)
 
 
-def _server_preexec(cgroup_procs: str | None) -> None:
+def _server_preexec(cgroup_procs: list[str]) -> None:
     confine.die_with_parent(os.getppid())
+    _join(cgroup_procs)
+
+
+def _join(cgroup_procs: list[str]) -> None:
+    """Pin to the rollout CPUs and join the sandbox cgroups (in a child, between fork and exec)."""
     confine.pin_to_rollout_cpus()
-    if cgroup_procs:
-        with open(cgroup_procs, "w") as f:
+    for procs in cgroup_procs:
+        with open(procs, "w") as f:
             f.write(str(os.getpid()))
 
 
@@ -535,8 +614,7 @@ async def _run_warm(
     req = {
         "code": code,
         "timeout_s": timeout_s,
-        "mode": mode,
-        "uid": random.SystemRandom().randint(*UID_RANGE),
+        "uid": random.SystemRandom().randint(*UID_RANGE) if _draws_uid(mode) else None,
         "env": _env(mode, ""),
         "rlimits": confine.rlimits(timeout_s, _nproc(mode)),
     }
@@ -624,9 +702,8 @@ class Sandbox:
                 return server
             if time.monotonic() - self._server_failed_at < 60:
                 return None
-            cgroup = confine.memory_cgroup(self.memory_budget_bytes)
             server = self._server = _ForkServer(
-                isolation_mode(), cgroup and os.path.join(cgroup[0], "cgroup.procs")
+                isolation_mode(), confine.cgroup_procs(self.memory_budget_bytes)
             )
             weakref.finalize(self, server.stop)  # a Sandbox dropped takes its server with it
         if not await asyncio.to_thread(server.wait_ready):

@@ -334,14 +334,18 @@ def test_run_dirs_of_a_killed_process_are_removed_by_the_next_process():
 
 
 # THE ATTACK SUITE IN EVERY ISOLATION MODE
-# (a) runs in this process; (b)-(d) re-create the privilege conditions for real in a child that runs
-# this file as a script (`attacks` below) and reports what each attack printed.
+# Each mode's privilege conditions are re-created for real in a child that runs this file as a script
+# (`attacks` below), from this checkout and from a copy under /tmp (a CI clone), and reports what each
+# attack printed through both paths (warm: the fork server; cold: `run_python`), then what a fork bomb
+# did to each path.
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECRET = "hunter2-secret-token"
 TEST_USER = "sandbox-test"
 # The checkout's own sources, by a path suffix no installed library shares.
 CHECKOUT_SOURCES = ("/train_async_grpo.py", "/envs/sandbox.py", "/envs/retool.py", "/envs/confine.py")
+BOMB = "import os\nwhile True: os.fork()"
+BOMB_TIMEOUT_S = 3.0
 ATTACKS = {
     "walk": (
         "import os\nfor top, dirs, files in os.walk('/'):\n"
@@ -376,54 +380,153 @@ ATTACKS = {
         "        try: os.kill(pid, 0); print('SIGNALLABLE', pid)\n        except OSError: pass\n"
         "print('done')"
     ),
+    # Every path bound into the minimal root (BINDS: the sandbox's own list) must be a read-only
+    # mount there: the code's uid alone (no write permission) would hide a read-write bind. Without a
+    # minimal root (mode seccomp) these are the machine's own mounts, and only the write must fail.
+    "readonly": (
+        "import os\nfor p in BINDS:\n"
+        "    if not os.statvfs(p).f_flag & os.ST_RDONLY: print('WRITABLE-MOUNT', p)\n"
+        "    d = p if os.path.isdir(p) else os.path.dirname(p)\n"
+        "    try: open(os.path.join(d, 'sandbox_rw_probe'), 'w').close(); print('WROTE', d)\n"
+        "    except OSError: pass\n"
+        "print('checked', len(BINDS))"
+    ),
 }
 
 
+def _proc_table() -> dict[int, tuple[int, str, str]]:
+    """pid -> (parent pid, state, cwd or '') of every live process."""
+    table = {}
+    for pid in os.listdir("/proc"):
+        try:
+            if not pid.isdigit():
+                continue
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            try:
+                cwd = os.readlink(f"/proc/{pid}/cwd")
+            except OSError:
+                cwd = ""
+            table[int(pid)] = (int(fields[1]), fields[0], cwd)
+        except (OSError, IndexError):
+            pass
+    return table
+
+
+def run_processes(exclude: set[int] = frozenset()) -> set[int]:
+    """Live (not zombie) processes of this process's sandbox runs: its descendants (an orphan in a pid
+    namespace stays inside it) and any process whose cwd is one of its run dirs (a cold run without a
+    pid namespace, whose orphans go to init); those in `exclude` left out."""
+    table = _proc_table()
+    marker = f"/sandbox-{os.getpid()}-"
+
+    def descends(pid: int) -> bool:
+        for _ in range(64):
+            pid = table[pid][0] if pid in table else 0
+            if pid in (0, 1) or pid == os.getpid():
+                return pid == os.getpid()
+        return False
+
+    return {
+        pid
+        for pid, (_, state, cwd) in table.items()
+        if state != "Z" and pid not in exclude and (descends(pid) or marker in cwd)
+    }
+
+
+def descendants(pid: int) -> set[int]:
+    table = _proc_table()
+    found, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        found.add(p)
+        todo += [c for c, (ppid, _, _) in table.items() if ppid == p and c not in found]
+    return found
+
+
+def bomb_then_print(sandbox: Sandbox, others: list[Sandbox]) -> dict:
+    """A fork bomb, then an innocent call, through `sandbox`: how long the bomb took, what the next
+    call printed, and which processes of either are left once the next call has returned (the fork
+    servers of `others` and of `sandbox` are not)."""
+
+    async def two():
+        bomb = await sandbox.run(BOMB, timeout_s=BOMB_TIMEOUT_S)
+        return bomb, await sandbox.run("print(2)", timeout_s=30)
+
+    bomb, after = asyncio.run(two())
+    servers = [s._server.proc.pid for s in [sandbox, *others] if s._server and s._server.proc]
+    deadline = time.monotonic() + 1  # the kernel reaps the killed tree; give it a moment
+    while (left := run_processes(set().union(*map(descendants, servers)))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return {
+        "duration_s": bomb.duration_s,
+        "bomb_error": bomb.error,
+        "next": after.output + after.error,
+        "left": sorted(left),
+    }
+
+
 def attack_suite(port: int) -> dict:
-    """Run every attack through one Sandbox; with a sleeper of ours that must outlive them."""
+    """Run every attack through a warm and a cold Sandbox, with a sleeper of ours that must outlive
+    them; then a fork bomb and an innocent call through each."""
     import subprocess
 
+    from envs.sandbox import isolation_gaps, visible_paths
+
     sleeper = subprocess.Popen(["sleep", "300"])
-    sandbox = Sandbox(max_concurrency=2)
+    paths = {"warm": Sandbox(max_concurrency=2), "cold": Sandbox(max_concurrency=2, warm=False)}
     # our parent too, unless it is init (a run under nohup): in a pid namespace 1 is the sandbox's own
     targets = [os.getpid(), sleeper.pid] + [os.getppid()] * (os.getppid() != 1)
+    codes = [
+        code.replace("PORT", str(port))
+        .replace("TARGETS", str(targets))
+        .replace("BINDS", repr(visible_paths()[0]))
+        for code in ATTACKS.values()
+    ]
 
-    async def all_attacks():
-        codes = [
-            code.replace("PORT", str(port)).replace("TARGETS", str(targets)) for code in ATTACKS.values()
-        ]
+    async def all_attacks(sandbox):
         return await asyncio.gather(*(sandbox.run(c, timeout_s=120) for c in codes))
 
-    results = asyncio.run(all_attacks())
+    outputs = {}
+    for path, sandbox in paths.items():
+        for name, r in zip(ATTACKS, asyncio.run(all_attacks(sandbox)), strict=True):
+            outputs[f"{path}/{name}"] = r.output + r.error
     alive = sleeper.poll() is None
     sleeper.kill()
     sleeper.wait()
-    from envs.sandbox import isolation_gaps
-
+    bombs = {path: bomb_then_print(sandbox, list(paths.values())) for path, sandbox in paths.items()}
     return {
         "mode": isolation_mode(),
         "gaps": isolation_gaps(),
         "install": sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)}),
         "sleeper_alive": alive,
-        "outputs": {name: r.output + r.error for name, r in zip(ATTACKS, results, strict=True)},
+        "outputs": outputs,
+        "bombs": bombs,
     }
 
 
 def check_attacks(report: dict, listener: socket.socket) -> None:
-    out = report["outputs"]
     assert report["sleeper_alive"], "the sandbox killed a process of ours"
-    found = [line.split(" ", 1)[1] for line in out["walk"].splitlines() if line.startswith("FOUND ")]
-    # The Python install may carry data files of its own (a library's .safetensors); nothing else may.
-    leaked = [p for p in found if not any(p.startswith(d + "/") for d in report["install"])]
-    assert not leaked, f"the code found {leaked}"
-    assert "walked" in out["walk"], out["walk"]
-    assert SECRET not in out["environ"] and "read" in out["environ"], out["environ"][-2000:]
-    assert "CONNECTED" not in out["connect"] and "blocked" in out["connect"], out["connect"]
     with pytest.raises(BlockingIOError):
         listener.accept()  # nothing reached our loopback
-    assert "done" in out["kill"] and "KILLED" not in out["kill"], out["kill"]
-    if report["mode"] not in ("root-ns", "user-ns"):  # there the pids seen are the run's own namespace
-        assert "SIGNALLABLE" not in out["kill"], out["kill"]
+    for path in ("warm", "cold"):
+        out = {name: report["outputs"][f"{path}/{name}"] for name in ATTACKS}
+        found = [line.split(" ", 1)[1] for line in out["walk"].splitlines() if line.startswith("FOUND ")]
+        # The Python install may carry data files of its own (a library's .safetensors); nothing else may.
+        leaked = [p for p in found if not any(p.startswith(d + "/") for d in report["install"])]
+        assert not leaked, f"{path}: the code found {leaked}"
+        assert "walked" in out["walk"], out["walk"]
+        assert SECRET not in out["environ"] and "read" in out["environ"], out["environ"][-2000:]
+        assert "CONNECTED" not in out["connect"] and "blocked" in out["connect"], out["connect"]
+        assert "done" in out["kill"] and "KILLED" not in out["kill"], out["kill"]
+        assert "checked" in out["readonly"] and "WROTE" not in out["readonly"], out["readonly"]
+        if report["mode"] in ("root-ns", "user-ns"):
+            assert "WRITABLE-MOUNT" not in out["readonly"], out["readonly"]
+        else:  # in the namespace modes the pids seen are the run's own namespace
+            assert "SIGNALLABLE" not in out["kill"], out["kill"]
+    for path, bomb in report["bombs"].items():
+        assert bomb["duration_s"] <= BOMB_TIMEOUT_S + 2, (path, bomb)
+        assert bomb["next"] == "2\n", (path, bomb)
+        assert bomb["left"] == [], (path, bomb)
 
 
 @pytest.fixture
@@ -436,21 +539,31 @@ def listener():
     s.close()
 
 
-def test_attacks_mode_a_root_with_cap_sys_admin(listener, monkeypatch):
-    if os.geteuid() != 0 or isolation_mode() != "root-ns":
-        pytest.skip(f"this process is not root with CAP_SYS_ADMIN (mode {isolation_mode()!r})")
-    monkeypatch.setenv("SANDBOX_TEST_SECRET", SECRET)
-    check_attacks(attack_suite(listener.getsockname()[1]), listener)
+@pytest.fixture(scope="module")
+def checkouts(tmp_path_factory):
+    """This checkout, and a copy of what the attack child needs (and the walk looks for) in a private
+    temp dir under /tmp, as a CI clone made with `mktemp -d` would be."""
+    import tempfile
+
+    copy = tempfile.mkdtemp(prefix="checkout-")
+    for rel in ["tests/test_sandbox.py", *(s.lstrip("/") for s in CHECKOUT_SOURCES)]:
+        os.makedirs(os.path.dirname(os.path.join(copy, rel)), exist_ok=True)
+        shutil.copy(os.path.join(REPO, rel), os.path.join(copy, rel))
+    for name in os.listdir(os.path.join(REPO, "envs")):
+        if name.endswith(".py"):
+            shutil.copy(os.path.join(REPO, "envs", name), os.path.join(copy, "envs", name))
+    yield {"work": REPO, "tmp": copy}
+    shutil.rmtree(copy)
 
 
-def expose_python_shell() -> str:
-    """Shell (run as root in a private mount namespace) making the Python install and this checkout's
+def expose_python_shell(repo: str) -> str:
+    """Shell (run as root in a private mount namespace) making the Python install and the checkout's
     test and envs code reachable by other uids: here the install lies below /root (mode 700), where a
     container would have it in /usr/local, and a checkout may lie in a private temp dir (a CI clone)."""
     from envs.sandbox import _blocked_ancestors
 
     blocked: dict[str, set[str]] = {}
-    for p in (sys.executable, sys.prefix, sys.base_prefix, os.path.abspath(__file__), f"{REPO}/envs"):
+    for p in (sys.executable, sys.prefix, sys.base_prefix, f"{repo}/tests", f"{repo}/envs"):
         for parent, children in _blocked_ancestors(p).items():
             blocked.setdefault(parent, set()).update(children)
     lines = ["set -e"]
@@ -467,6 +580,8 @@ def expose_python_shell() -> str:
 AS_TEST_USER = [f"--reuid={TEST_USER}", f"--regid={TEST_USER}", "--clear-groups"]
 # name: (setpriv arguments for the child, deny it user namespaces?, make Python reachable?, mode expected)
 MODES = {
+    # (a) root with CAP_SYS_ADMIN (this machine).
+    "a-root-with-cap-sys-admin": ([], False, False, "root-ns"),
     # (b) a default Docker container: root, CAP_SYS_ADMIN out of the bounding set, user namespaces
     # refused by seccomp; the Python install reachable by others (as in /usr/local).
     "b-root-without-cap-sys-admin": (["--bounding-set=-sys_admin"], True, True, "seccomp"),
@@ -482,8 +597,9 @@ MODES = {
 }  # fmt: skip
 
 
+@pytest.mark.parametrize("checkout", ["work", "tmp"])
 @pytest.mark.parametrize("name", MODES)
-def test_attacks_in_the_other_modes(name, listener):
+def test_attacks_in_every_mode(name, checkout, checkouts, listener):
     import json
     import subprocess
 
@@ -495,28 +611,17 @@ def test_attacks_in_the_other_modes(name, listener):
         subprocess.run(
             ["useradd", "--system", "--no-create-home", TEST_USER], capture_output=True, check=False
         )
-    shell = (expose_python_shell() if expose else "set -e") + '\nexec "$@"'
-    child = [sys.executable, os.path.abspath(__file__), "attacks", str(listener.getsockname()[1])]
+    repo = checkouts[checkout]
+    shell = (expose_python_shell(repo) if expose else "set -e") + '\nexec "$@"'
+    child = [sys.executable, f"{repo}/tests/test_sandbox.py", "attacks", str(listener.getsockname()[1])]
     child += ["--deny-user-namespaces"] if deny_userns else []
-    argv = [
-        "unshare",
-        "--mount",
-        "--propagation",
-        "private",
-        "--",
-        "sh",
-        "-c",
-        shell,
-        "sh",
-        "setpriv",
-        *setpriv_args,
-        "--",
-        *child,
-    ]
-    env = {"PATH": os.environ["PATH"], "PYTHONPATH": REPO, "SANDBOX_TEST_SECRET": SECRET}
-    p = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+    argv = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", shell, "sh"]
+    argv += ["setpriv", *setpriv_args, "--", *child]
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": repo, "SANDBOX_TEST_SECRET": SECRET}
+    p = subprocess.run(argv, cwd=repo, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert p.returncode == 0, p.stderr[-3000:]
     report = json.loads(p.stdout.splitlines()[-1])
+    print(name, checkout, json.dumps(report["bombs"]))  # the figures for README (pytest -s)
     assert report["mode"] == expected_mode, report
     assert report["gaps"] == [], report["gaps"]
     check_attacks(report, listener)
@@ -595,7 +700,7 @@ def test_eight_memory_creepers_share_one_budget(warm):
 
 
 if __name__ == "__main__" and sys.argv[1] == "attacks":
-    # The child of test_attacks_in_the_other_modes, already under the mode's privileges.
+    # The child of test_attacks_in_every_mode, already under the mode's privileges.
     import json
 
     if "--deny-user-namespaces" in sys.argv:
