@@ -313,9 +313,32 @@ def test_nothing_left_behind(temp_dirs_before):
     assert not left, f"temp dirs left behind: {left}"
 
 
-def test_run_dirs_of_a_killed_process_are_removed_by_the_next_process():
+@pytest.mark.parametrize("how", ["close", "exit"])
+def test_no_run_dir_left_by_a_process_that_closes_its_sandbox_or_exits(how):
+    """A process that used both paths leaves no run dir of its pid: none once it has closed its
+    Sandbox, none once it has exited normally (its fork server's dir included)."""
     import subprocess
-    import sys
+
+    code = (
+        "import asyncio, os, sys, envs.sandbox as s\nsb = s.Sandbox(2)\n"
+        "print(asyncio.run(sb.run('print(1)', timeout_s=30)).output, end='')\n"
+        "print(asyncio.run(s.run_python('print(1)', timeout_s=30)).output, end='')\n"
+        "if sys.argv[1] == 'close':\n    sb.close()\n"
+        "    print([d for d in os.listdir('/tmp') if d.startswith(f'sandbox-{os.getpid()}-')])\n"
+        "print(os.getpid())"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, how], capture_output=True, text=True, timeout=120, cwd=REPO, check=False
+    )
+    *lines, pid = r.stdout.split()
+    assert lines == ["1", "1"] + ["[]"] * (how == "close"), r.stdout + r.stderr
+    left = [d for d in os.listdir("/tmp") if d.startswith(f"sandbox-{pid}-")]
+    assert not left, f"run dirs left by a process that exited normally: {left}"
+
+
+@pytest.mark.parametrize("next_path", ["warm", "cold"])
+def test_run_dirs_of_a_killed_process_are_removed_by_the_next_process(next_path):
+    import subprocess
     import tempfile
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -324,13 +347,67 @@ def test_run_dirs_of_a_killed_process_are_removed_by_the_next_process():
     open(os.path.join(orphan, "main.py"), "w").close()
     live = tempfile.mkdtemp(prefix=f"sandbox-{os.getpid()}-")  # a live process's run in progress
     try:
-        code = "import asyncio, envs.sandbox as s; print(asyncio.run(s.run_python('print(1)')).output)"
-        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=repo)
+        # The next process uses one path only: a trainer's runs all go warm in the namespace modes.
+        code = (
+            "import asyncio, envs.sandbox as s\n"
+            f"sb = s.Sandbox(1, warm={next_path == 'warm'})\n"
+            "print(asyncio.run(sb.run('print(1)', timeout_s=30)).output)"
+        )
+        r = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO, check=False
+        )
         assert r.stdout.strip() == "1", r.stderr
         assert not os.path.exists(orphan) and os.path.isdir(live)
     finally:
         os.rmdir(live)
+
+
+def _python_with_venv_at(where: str, tmp_root: str) -> list[str]:
+    """argv prefix running this venv's python as if the venv lay at `where`: 'elsewhere' (where it is),
+    'tmp-dir' (bound onto a directory under /tmp, in a private mount namespace) or 'tmp-link' (a
+    symlink under /tmp, as a checkout's `.venv` link in a CI clone)."""
+    if where == "elsewhere":
+        return [sys.executable]
+    venv = os.path.join(tmp_root, "venv")
+    if where == "tmp-link":
+        os.symlink(sys.prefix, venv)
+        return [os.path.join(venv, "bin", "python")]
+    os.mkdir(venv)
+    shell = f'mount --bind "{sys.prefix}" "{venv}" && exec "$@"'
+    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", shell, "sh"] + [
+        os.path.join(venv, "bin", "python")
+    ]
+
+
+@pytest.mark.parametrize("where", ["elsewhere", "tmp-dir", "tmp-link"])
+def test_warm_path_imports_what_the_cold_path_imports(where):
+    """A module the fork server did not import (numpy.polynomial, pandas) imports on both paths
+    whether the venv lies under /tmp (a CI clone made with mktemp -d) or elsewhere."""
+    import json
+    import subprocess
+    import tempfile
+
+    if where == "tmp-dir" and os.geteuid() != 0:
+        pytest.skip("needs root to bind the venv under /tmp")
+    code = (
+        "import sys\nloaded = [m for m in ('numpy.polynomial', 'pandas') if m in sys.modules]\n"
+        "import numpy.polynomial, pandas\nprint(loaded, numpy.polynomial.Polynomial([1, 2])(3), sys.prefix)"
+    )
+    script = (
+        "import asyncio, json, sys, envs.sandbox as s\n"
+        f"code = {code!r}\nwarm, cold = s.Sandbox(1), s.Sandbox(1, warm=False)\n"
+        "out = [asyncio.run(sb.run(code, timeout_s=60)) for sb in (warm, cold)]\n"
+        "print(json.dumps([sys.prefix, s.isolation_mode()] + [r.output + r.error for r in out]))"
+    )
+    with tempfile.TemporaryDirectory(prefix="venv-") as tmp_root:
+        argv = _python_with_venv_at(where, tmp_root) + ["-c", script]
+        env = {"PATH": os.environ["PATH"], "PYTHONPATH": REPO}
+        p = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    prefix, mode, warm, cold = json.loads(p.stdout.splitlines()[-1])
+    assert prefix.startswith("/tmp/") == (where != "elsewhere"), prefix
+    assert cold == f"[] 7.0 {prefix}\n", cold
+    assert warm == cold, f"warm path ({mode}): {warm}"
 
 
 # THE ATTACK SUITE IN EVERY ISOLATION MODE
