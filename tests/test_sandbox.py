@@ -618,11 +618,12 @@ def listener():
 
 @pytest.fixture(scope="module")
 def checkouts(tmp_path_factory):
-    """This checkout, and a copy of what the attack child needs (and the walk looks for) in a private
-    temp dir under /tmp, as a CI clone made with `mktemp -d` would be."""
+    """This checkout, and a copy of what the attack child needs (and the walk looks for) in a temp dir
+    under /tmp, as a CI clone would be."""
     import tempfile
 
     copy = tempfile.mkdtemp(prefix="checkout-")
+    os.chmod(copy, 0o755)  # readable by the code's uid: only the sandbox may hide it
     for rel in ["tests/test_sandbox.py", *(s.lstrip("/") for s in CHECKOUT_SOURCES)]:
         os.makedirs(os.path.dirname(os.path.join(copy, rel)), exist_ok=True)
         shutil.copy(os.path.join(REPO, rel), os.path.join(copy, rel))
