@@ -6,11 +6,12 @@
 
 Stateless per call: every call gets a fresh process (cold path, `run_python`: a new `python -I`; warm
 path, `Sandbox.run` in the namespace modes: a fork of a server with numpy and sympy imported, see
-envs/forkserver.py), a fresh run directory as cwd (cold: removed afterwards, or, if the process that
-made it was SIGKILLed, by the next process's first run; warm: a tmpfs) and a fresh environment (PATH,
-HOME, TMPDIR, LANG, single-thread BLAS); nothing a call does (files, variables, imports, background
+envs/forkserver.py), a fresh run directory as cwd (cold: removed afterwards; warm: a tmpfs; the fork
+server's dir goes when its Sandbox closes or the process exits; the dirs of a SIGKILLed process go with
+the next process's first run, warm or cold) and a fresh environment (PATH, HOME, TMPDIR, LANG,
+single-thread BLAS); nothing a call does (files, variables, imports, background
 processes) is visible to the next call. The state in `Sandbox` is the cap on live runs and its fork
-server; the process holds one memory cgroup for all its runs.
+server; the process holds one memory and one pids cgroup for all its runs.
 
 Isolation modes, the strongest that works here is probed once per process (`isolation_mode`):
 - "root-ns" (root with CAP_SYS_ADMIN): new pid, net and mount namespaces (`unshare`). A root shell,
@@ -22,9 +23,10 @@ Isolation modes, the strongest that works here is probed once per process (`isol
   ignores it). When the code exits, the namespace dies and the kernel kills whatever it left behind.
   No interface is up in the net namespace; the trainer's pids do not exist in the pid namespace.
 - "user-ns" (not root, or root without CAP_SYS_ADMIN, where unprivileged user namespaces work): the
-  same namespaces and minimal root inside a user namespace; the code runs as the namespace's root with
-  every capability dropped (so it cannot undo the mounts). RLIMIT_NPROC counts all of our uid's
-  processes: set to the current count plus a margin, it bounds a fork bomb only loosely.
+  same namespaces and minimal root inside a user namespace. As root, we write its uid and gid maps
+  (`_map_ids`) and the code runs as a drawn uid, as in root-ns. Not root, the code runs as the
+  namespace's root (our uid) with every capability dropped (so it cannot undo the mounts);
+  RLIMIT_NPROC counts our uid's processes: set to the current count plus a margin.
 - "seccomp" (no namespace can be made; libseccomp present): see envs/confine.py. As root the code
   runs as a drawn uid (or, when the Python install lies below a directory others cannot enter, as
   root with every capability dropped); not root, as our uid. seccomp denies sockets, ptrace and
@@ -34,8 +36,9 @@ Isolation modes, the strongest that works here is probed once per process (`isol
 - "none": rlimits, a new session and the process-group kill only.
 
 Every mode: wall clock (`timeout_s`, then SIGKILL to the group, and in the drawn-uid modes to every
-process of that uid), RLIMIT_AS/CPU/FSIZE/NOFILE/CORE per process, and one memory cgroup (v2, or v1)
-for all runs together (envs/confine.py); a run the kernel OOM-kills there says so in its `error`.
+process of that uid), RLIMIT_AS/CPU/FSIZE/NOFILE/CORE per process, and one memory and one pids cgroup
+(v2, or v1) for all runs together where one can be made (envs/confine.py): the pids limit bounds a
+fork bomb where RLIMIT_NPROC does not (uid 0); a run the kernel OOM-kills says so in its `error`.
 """
 
 import asyncio
