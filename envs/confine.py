@@ -11,7 +11,8 @@ inherited by every descendant and cannot be lifted.
 - seccomp (libseccomp through `pyseccomp`): socket() fails (no network, no unix socket to a local
   server; socketpair() still works), ptrace and cross-process memory access fail, signals go only to
   the caller's own process group (kill(0, sig)); io_uring and bpf, which could do the same by another
-  door, fail.
+  door, fail. With `no_fork` (uid 0 where no pids cgroup can be made: nothing else would bound a fork
+  bomb), fork, vfork and clone without CLONE_THREAD fail too: threads yes, new processes no.
 - Landlock (kernel >= 5.13, plain syscalls): reads and exec only below the given read-only paths,
   writes only below the run dir; /proc, /tmp, home directories and the project checkout are out of
   reach. ABI >= 4 also refuses TCP bind/connect; ABI >= 6 scopes signals to the Landlock domain.
@@ -60,17 +61,23 @@ def landlock_abi() -> int:
     return max(v, 0)
 
 
+_CLONE_THREAD = 0x00010000
+
+
 @functools.cache
-def seccomp_filter():
+def seccomp_filter(no_fork: bool = False):
     """The filter `confine` loads (built once, in the parent: only seccomp_load runs after fork);
     None if libseccomp or its bindings are missing."""
     try:
         import pyseccomp as sc
 
         f = sc.SyscallFilter(defaction=sc.ALLOW)
-        for name in _DENIED:
+        for name in _DENIED + ("fork", "vfork") * no_fork:
             f.add_rule(sc.ERRNO(errno.EPERM), name)
         f.add_rule(sc.ERRNO(errno.EPERM), "kill", sc.Arg(0, sc.NE, 0))
+        if no_fork:
+            f.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, _CLONE_THREAD, 0))
+            f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")  # flags in memory: glibc falls back to clone
         return f
     except (ImportError, OSError, RuntimeError):
         return None
@@ -107,14 +114,14 @@ def _landlock(readable: list[str], writable: list[str]) -> None:
         os.close(ruleset)
 
 
-def confine(readable: list[str], writable: list[str]) -> None:
+def confine(readable: list[str], writable: list[str], no_fork: bool = False) -> None:
     """Confine the calling process and all it will start (preexec_fn). Raises OSError if seccomp
     cannot be loaded; Landlock is applied only where the kernel has it (see `landlock_abi`)."""
     if _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0):
         raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS failed")
     if landlock_abi():
         _landlock(readable, writable)
-    f = seccomp_filter()
+    f = seccomp_filter(no_fork)
     if f is None:
         raise OSError(errno.ENOSYS, "no seccomp: libseccomp or pyseccomp missing")
     f.load()
@@ -206,6 +213,11 @@ def memory_cgroup(budget_bytes: int) -> tuple[str, str] | None:
     """(directory, version) of the memory cgroup of sandbox runs with `budget_bytes`; None where none
     can be made (then only RLIMIT_AS bounds memory)."""
     return _sandbox_cgroup("memory", budget_bytes)
+
+
+def pids_cgroup(budget_bytes: int) -> tuple[str, str] | None:
+    """(directory, version) of the pids cgroup of sandbox runs with `budget_bytes`, or None."""
+    return _sandbox_cgroup("pids", budget_bytes)
 
 
 def cgroup_procs(budget_bytes: int) -> list[str]:

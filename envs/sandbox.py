@@ -225,6 +225,14 @@ def _draws_uid(mode: str) -> bool:
     return mode == "root-ns" or _maps_ids(mode)
 
 
+def _unbounded(mode: str, budget: int) -> bool:
+    """Would nothing bound a fork bomb? The code runs as uid 0 (capability-less root in mode seccomp),
+    which RLIMIT_NPROC exempts, and no pids cgroup can be made (a read-only /sys/fs/cgroup, as in a
+    default Docker container): then seccomp refuses it new processes (`confine.seccomp_filter`)."""
+    root = mode == "seccomp" and os.geteuid() == 0 and not _draws_uid(mode)
+    return root and confine.pids_cgroup(budget) is None
+
+
 def _maps_ids(mode: str) -> bool:
     return mode == "user-ns" and os.geteuid() == 0
 
@@ -251,20 +259,22 @@ def _map_ids(pid: int, sock: socket.socket) -> None:
         sock.close()
 
 
-def _preexec(mode: str, run_dir: str, timeout_s: float, nproc: int, cgroup_procs: list[str]) -> None:
+def _preexec(
+    mode: str, run_dir: str, timeout_s: float, nproc: int, cgroup_procs: list[str], no_fork: bool = False
+) -> None:
     """Between fork and exec: join the sandbox cgroups (memory budget, process limit), set the rlimits
     (inherited by the whole process tree), and SIGKILL the run's first process when the thread that
     started it dies (a kill -9 of the trainer included): in the namespace modes that is `unshare
     --kill-child`, whose death takes the pid namespace with it; otherwise a run sleeping in a syscall
     (no CPU time) would outlive us.
-    In mode "seccomp", confine (seccomp + Landlock) last."""
+    In mode "seccomp", confine (seccomp + Landlock; `no_fork`: see `_unbounded`) last."""
     confine.die_with_parent(os.getppid())
     _join(cgroup_procs)
     for name, limits in confine.rlimits(timeout_s, nproc).items():
         resource.setrlimit(getattr(resource, name), limits)
     if mode == "seccomp":
         readable = visible_paths()[0] + ["/sys/devices/system/cpu"]
-        confine.confine(readable, [run_dir] + [f"/dev/{d}" for d in DEVICES])
+        confine.confine(readable, [run_dir] + [f"/dev/{d}" for d in DEVICES], no_fork)
 
 
 def _probe(mode: str) -> bool:
@@ -376,20 +386,22 @@ def _nproc(mode: str) -> int:
     return MAX_PROCESSES if _draws_uid(mode) or os.geteuid() == 0 else _user_process_count() + MAX_PROCESSES
 
 
-def _kill_uid(uid: int) -> None:
-    """SIGKILL every process owned by `uid` (root only), until none is left; a fork bomb is bounded by
-    RLIMIT_NPROC, so this converges in a few rounds."""
-    for _ in range(100):
-        found = False
-        for pid in os.listdir("/proc"):
-            try:
-                if pid.isdigit() and os.stat(f"/proc/{pid}").st_uid == uid:
-                    os.kill(int(pid), signal.SIGKILL)
-                    found = True
-            except OSError:  # exited meanwhile
-                pass
-        if not found:
-            return
+def _kill_run(pgid: int, uid: int | None) -> bool:
+    """SIGKILL every process of a run: its process group, and every process of its drawn `uid`
+    (root only). True if there was one, a zombie included: in the modes without a pid namespace the
+    run's orphans go to init, and until init reaps them they hold their pids in the pids cgroup."""
+    found = False
+    for pid in os.listdir("/proc"):
+        try:
+            if not pid.isdigit():
+                continue
+            pgrp = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[2])
+            if pgrp == pgid or os.stat(f"/proc/{pid}").st_uid == uid:
+                os.kill(int(pid), signal.SIGKILL)
+                found = True
+        except (OSError, IndexError, ValueError):  # exited meanwhile
+            pass
+    return found
 
 
 async def _drain(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, bytes, int]:
@@ -447,7 +459,13 @@ async def run_python(
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,
                 preexec_fn=functools.partial(
-                    _preexec, mode, run_dir, timeout_s, _nproc(mode), confine.cgroup_procs(budget)
+                    _preexec,
+                    mode,
+                    run_dir,
+                    timeout_s,
+                    _nproc(mode),
+                    confine.cgroup_procs(budget),
+                    _unbounded(mode, budget),
                 ),
             )
         finally:
@@ -460,10 +478,14 @@ async def run_python(
             await asyncio.wait_for(proc.wait(), timeout_s)
         except TimeoutError:
             timed_out = True
-        # Always: kill what is left (the code on timeout; background children after a normal exit).
+        # Always: kill what is left (the code on timeout; background children after a normal exit),
+        # and, without a pid namespace (whose end takes all with it), wait until it is gone: a fork
+        # bomb is bounded by RLIMIT_NPROC or the pids cgroup, so this converges in a few rounds.
         _signal_kill(proc)
-        if _draws_uid(mode):
-            _kill_uid(uid)
+        if mode not in ("root-ns", "user-ns"):
+            deadline = time.monotonic() + 5
+            while _kill_run(proc.pid, uid if _draws_uid(mode) else None) and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
         await proc.wait()
         try:
             head, tail, total = await asyncio.wait_for(drain, 2.0)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from envs.confine import ROLLOUT_CPUS_ENV
+from envs.confine import MAX_PIDS, ROLLOUT_CPUS_ENV
 from envs.sandbox import MAX_OUTPUT_BYTES, UID_RANGE, Sandbox, isolation_mode, run_python
 
 ISOLATED = isolation_mode() in ("root-ns", "user-ns")
@@ -423,6 +423,13 @@ TEST_USER = "sandbox-test"
 CHECKOUT_SOURCES = ("/train_async_grpo.py", "/envs/sandbox.py", "/envs/retool.py", "/envs/confine.py")
 BOMB = "import os\nwhile True: os.fork()"
 BOMB_TIMEOUT_S = 3.0
+# How many processes the code can have at once: children that sleep, until fork fails (or FORK_CAP,
+# so a sandbox with no limit fails the test without flooding the machine).
+FORK_CAP = 600
+COUNT_FORKS = (
+    "import os, time\nn = 0\nwhile n < FORK_CAP:\n    try: pid = os.fork()\n    except OSError: break\n"
+    "    if pid == 0: time.sleep(60); os._exit(0)\n    n += 1\nprint(n)"
+).replace("FORK_CAP", str(FORK_CAP))
 ATTACKS = {
     "walk": (
         "import os\nfor top, dirs, files in os.walk('/'):\n"
@@ -522,14 +529,14 @@ def descendants(pid: int) -> set[int]:
 
 def bomb_then_print(sandbox: Sandbox, others: list[Sandbox]) -> dict:
     """A fork bomb, then an innocent call, through `sandbox`: how long the bomb took, what the next
-    call printed, and which processes of either are left once the next call has returned (the fork
-    servers of `others` and of `sandbox` are not)."""
+    call printed, how many processes a third call could start, and which processes of the three are
+    left once they have returned (the fork servers of `others` and of `sandbox` are not)."""
 
-    async def two():
+    async def three():
         bomb = await sandbox.run(BOMB, timeout_s=BOMB_TIMEOUT_S)
-        return bomb, await sandbox.run("print(2)", timeout_s=30)
+        return bomb, await sandbox.run("print(2)", timeout_s=30), await sandbox.run(COUNT_FORKS, timeout_s=30)
 
-    bomb, after = asyncio.run(two())
+    bomb, after, forks = asyncio.run(three())
     servers = [s._server.proc.pid for s in [sandbox, *others] if s._server and s._server.proc]
     deadline = time.monotonic() + 1  # the kernel reaps the killed tree; give it a moment
     while (left := run_processes(set().union(*map(descendants, servers)))) and time.monotonic() < deadline:
@@ -539,6 +546,7 @@ def bomb_then_print(sandbox: Sandbox, others: list[Sandbox]) -> dict:
         "bomb_error": bomb.error,
         "next": after.output + after.error,
         "left": sorted(left),
+        "processes": forks.output + forks.error,
     }
 
 
@@ -547,7 +555,8 @@ def attack_suite(port: int) -> dict:
     them; then a fork bomb and an innocent call through each."""
     import subprocess
 
-    from envs.sandbox import isolation_gaps, visible_paths
+    from envs.confine import pids_cgroup
+    from envs.sandbox import MEMORY_BUDGET_BYTES, isolation_gaps, visible_paths
 
     sleeper = subprocess.Popen(["sleep", "300"])
     paths = {"warm": Sandbox(max_concurrency=2), "cold": Sandbox(max_concurrency=2, warm=False)}
@@ -578,6 +587,7 @@ def attack_suite(port: int) -> dict:
         "sleeper_alive": alive,
         "outputs": outputs,
         "bombs": bombs,
+        "pids_cgroup": pids_cgroup(MEMORY_BUDGET_BYTES),
     }
 
 
@@ -604,6 +614,8 @@ def check_attacks(report: dict, listener: socket.socket) -> None:
         assert bomb["duration_s"] <= BOMB_TIMEOUT_S + 2, (path, bomb)
         assert bomb["next"] == "2\n", (path, bomb)
         assert bomb["left"] == [], (path, bomb)
+        # The most any limit allows: the pids cgroup (RLIMIT_NPROC is lower where it binds).
+        assert int(bomb["processes"].split()[0]) <= MAX_PIDS, (path, bomb)
 
 
 @pytest.fixture
@@ -656,22 +668,28 @@ def expose_python_shell(repo: str) -> str:
 
 
 AS_TEST_USER = [f"--reuid={TEST_USER}", f"--regid={TEST_USER}", "--clear-groups"]
-# name: (setpriv arguments for the child, deny it user namespaces?, make Python reachable?, mode expected)
+NO_SYS_ADMIN = ["--bounding-set=-sys_admin"]
+NO_CGROUPS = "for m in /sys/fs/cgroup /sys/fs/cgroup/*; do mount -o remount,bind,ro $m; done"
+# name: (setpriv arguments for the child, deny it user namespaces?, make Python reachable?,
+#        cgroups writable?, mode expected)
 MODES = {
     # (a) root with CAP_SYS_ADMIN (this machine).
-    "a-root-with-cap-sys-admin": ([], False, False, "root-ns"),
+    "a-root-with-cap-sys-admin": ([], False, False, True, "root-ns"),
     # (b) a default Docker container: root, CAP_SYS_ADMIN out of the bounding set, user namespaces
     # refused by seccomp; the Python install reachable by others (as in /usr/local).
-    "b-root-without-cap-sys-admin": (["--bounding-set=-sys_admin"], True, True, "seccomp"),
+    "b-root-without-cap-sys-admin": (NO_SYS_ADMIN, True, True, True, "seccomp"),
     # (b') the same with the Python install below a directory others cannot enter (this machine's
     # /root): the code runs as root with every capability dropped.
-    "b-root-no-cap-sys-admin-python-in-root-dir": (["--bounding-set=-sys_admin"], True, False, "seccomp"),
+    "b-root-no-cap-sys-admin-python-in-root-dir": (NO_SYS_ADMIN, True, False, True, "seccomp"),
+    # ... and with /sys/fs/cgroup read-only, as Docker mounts it: no pids cgroup, and root is exempt
+    # from RLIMIT_NPROC, so the code may start no process at all.
+    "b-root-no-cap-sys-admin-python-in-root-dir-no-cgroup": (NO_SYS_ADMIN, True, False, False, "seccomp"),
     # (b'') root without CAP_SYS_ADMIN where user namespaces are allowed: the user-ns mode.
-    "b-root-no-cap-sys-admin-with-user-namespaces": (["--bounding-set=-sys_admin"], False, True, "user-ns"),
+    "b-root-no-cap-sys-admin-with-user-namespaces": (NO_SYS_ADMIN, False, True, True, "user-ns"),
     # (c) a plain user where unprivileged user namespaces work.
-    "c-user-with-user-namespaces": (AS_TEST_USER, False, True, "user-ns"),
+    "c-user-with-user-namespaces": (AS_TEST_USER, False, True, True, "user-ns"),
     # (d) a plain user without them.
-    "d-user-without-user-namespaces": (AS_TEST_USER, True, True, "seccomp"),
+    "d-user-without-user-namespaces": (AS_TEST_USER, True, True, True, "seccomp"),
 }  # fmt: skip
 
 
@@ -681,7 +699,7 @@ def test_attacks_in_every_mode(name, checkout, checkouts, listener):
     import json
     import subprocess
 
-    setpriv_args, deny_userns, expose, expected_mode = MODES[name]
+    setpriv_args, deny_userns, expose, cgroups, expected_mode = MODES[name]
     missing = [t for t in ("setpriv", "unshare", "useradd") if not shutil.which(t)]
     if os.geteuid() != 0 or missing:
         pytest.skip(f"needs root to build the mode's conditions; missing: {missing or 'root'}")
@@ -690,7 +708,8 @@ def test_attacks_in_every_mode(name, checkout, checkouts, listener):
             ["useradd", "--system", "--no-create-home", TEST_USER], capture_output=True, check=False
         )
     repo = checkouts[checkout]
-    shell = (expose_python_shell(repo) if expose else "set -e") + '\nexec "$@"'
+    shell = (expose_python_shell(repo) if expose else "set -e") + "\n" + ("" if cgroups else NO_CGROUPS)
+    shell += '\nexec "$@"'
     child = [sys.executable, f"{repo}/tests/test_sandbox.py", "attacks", str(listener.getsockname()[1])]
     child += ["--deny-user-namespaces"] if deny_userns else []
     argv = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", shell, "sh"]
@@ -702,6 +721,8 @@ def test_attacks_in_every_mode(name, checkout, checkouts, listener):
     print(name, checkout, json.dumps(report["bombs"]))  # the figures for README (pytest -s)
     assert report["mode"] == expected_mode, report
     assert report["gaps"] == [], report["gaps"]
+    if not cgroups:
+        assert not report["pids_cgroup"], "the child could make a pids cgroup"
     check_attacks(report, listener)
 
 
