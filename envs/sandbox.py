@@ -388,17 +388,17 @@ def _nproc(mode: str) -> int:
 
 def _kill_run(pgid: int, uid: int | None) -> bool:
     """SIGKILL every process of a run: its process group, and every process of its drawn `uid`
-    (root only). True if there was one, a zombie included: in the modes without a pid namespace the
-    run's orphans go to init, and until init reaps them they hold their pids in the pids cgroup."""
+    (root only). True if one was still alive (not a zombie: the run's orphans go to init, which reaps
+    them in its own time; until then they hold their pids in the pids cgroup)."""
     found = False
     for pid in os.listdir("/proc"):
         try:
             if not pid.isdigit():
                 continue
-            pgrp = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[2])
-            if pgrp == pgid or os.stat(f"/proc/{pid}").st_uid == uid:
+            state, _, pgrp = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[:3]
+            if int(pgrp) == pgid or os.stat(f"/proc/{pid}").st_uid == uid:
                 os.kill(int(pid), signal.SIGKILL)
-                found = True
+                found = found or state != "Z"
         except (OSError, IndexError, ValueError):  # exited meanwhile
             pass
     return found
@@ -732,7 +732,7 @@ class Sandbox:
             )
             weakref.finalize(self, server.stop)  # a Sandbox dropped takes its server with it
         if not await asyncio.to_thread(server.wait_ready):
-            server.stop()
+            await asyncio.to_thread(server.stop)
             self._server_failed_at = time.monotonic()
             return None
         return server

@@ -423,12 +423,13 @@ TEST_USER = "sandbox-test"
 CHECKOUT_SOURCES = ("/train_async_grpo.py", "/envs/sandbox.py", "/envs/retool.py", "/envs/confine.py")
 BOMB = "import os\nwhile True: os.fork()"
 BOMB_TIMEOUT_S = 3.0
-# How many processes the code can have at once: children that sleep, until fork fails (or FORK_CAP,
-# so a sandbox with no limit fails the test without flooding the machine).
+# How many processes the code can have at once: children that sleep (output closed: the call ends when
+# the parent does) until fork fails, or FORK_CAP, so a sandbox with no limit fails the test without
+# flooding the machine.
 FORK_CAP = 600
 COUNT_FORKS = (
     "import os, time\nn = 0\nwhile n < FORK_CAP:\n    try: pid = os.fork()\n    except OSError: break\n"
-    "    if pid == 0: time.sleep(60); os._exit(0)\n    n += 1\nprint(n)"
+    "    if pid == 0: os.close(1); os.close(2); time.sleep(60); os._exit(0)\n    n += 1\nprint(n)"
 ).replace("FORK_CAP", str(FORK_CAP))
 ATTACKS = {
     "walk": (
