@@ -479,13 +479,12 @@ async def run_python(
         except TimeoutError:
             timed_out = True
         # Always: kill what is left (the code on timeout; background children after a normal exit),
-        # and, without a pid namespace (whose end takes all with it), wait until it is gone: a fork
-        # bomb is bounded by RLIMIT_NPROC or the pids cgroup, so this converges in a few rounds.
+        # and wait until it is gone (a pid namespace dies after `unshare`, not with it): a fork bomb
+        # is bounded by RLIMIT_NPROC or the pids cgroup, so this converges in a few rounds.
         _signal_kill(proc)
-        if mode not in ("root-ns", "user-ns"):
-            deadline = time.monotonic() + 5
-            while _kill_run(proc.pid, uid if _draws_uid(mode) else None) and time.monotonic() < deadline:
-                await asyncio.sleep(0.005)
+        deadline = time.monotonic() + 5
+        while _kill_run(proc.pid, uid if _draws_uid(mode) else None) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
         await proc.wait()
         try:
             head, tail, total = await asyncio.wait_for(drain, 2.0)
