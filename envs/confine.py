@@ -11,7 +11,8 @@ inherited by every descendant and cannot be lifted.
 - seccomp (libseccomp through `pyseccomp`): socket() fails (no network, no unix socket to a local
   server; socketpair() still works), ptrace and cross-process memory access fail, signals go only to
   the caller's own process group (kill(0, sig)); io_uring and bpf, which could do the same by another
-  door, fail.
+  door, fail. With `no_fork` (uid 0 where no pids cgroup can be made: nothing else would bound a fork
+  bomb), fork, vfork and clone without CLONE_THREAD fail too: threads yes, new processes no.
 - Landlock (kernel >= 5.13, plain syscalls): reads and exec only below the given read-only paths,
   writes only below the run dir; /proc, /tmp, home directories and the project checkout are out of
   reach. ABI >= 4 also refuses TCP bind/connect; ABI >= 6 scopes signals to the Landlock domain.
@@ -60,17 +61,23 @@ def landlock_abi() -> int:
     return max(v, 0)
 
 
+_CLONE_THREAD = 0x00010000
+
+
 @functools.cache
-def seccomp_filter():
+def seccomp_filter(no_fork: bool = False):
     """The filter `confine` loads (built once, in the parent: only seccomp_load runs after fork);
     None if libseccomp or its bindings are missing."""
     try:
         import pyseccomp as sc
 
         f = sc.SyscallFilter(defaction=sc.ALLOW)
-        for name in _DENIED:
+        for name in _DENIED + ("fork", "vfork") * no_fork:
             f.add_rule(sc.ERRNO(errno.EPERM), name)
         f.add_rule(sc.ERRNO(errno.EPERM), "kill", sc.Arg(0, sc.NE, 0))
+        if no_fork:
+            f.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, _CLONE_THREAD, 0))
+            f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")  # flags in memory: glibc falls back to clone
         return f
     except (ImportError, OSError, RuntimeError):
         return None
@@ -107,26 +114,30 @@ def _landlock(readable: list[str], writable: list[str]) -> None:
         os.close(ruleset)
 
 
-def confine(readable: list[str], writable: list[str]) -> None:
+def confine(readable: list[str], writable: list[str], no_fork: bool = False) -> None:
     """Confine the calling process and all it will start (preexec_fn). Raises OSError if seccomp
     cannot be loaded; Landlock is applied only where the kernel has it (see `landlock_abi`)."""
     if _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0):
         raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS failed")
     if landlock_abi():
         _landlock(readable, writable)
-    f = seccomp_filter()
+    f = seccomp_filter(no_fork)
     if f is None:
         raise OSError(errno.ENOSYS, "no seccomp: libseccomp or pyseccomp missing")
     f.load()
 
 
-# LIMITS: per process (rlimits, inherited by the whole tree) and one memory budget for all runs
-# together: a memory cgroup made for this process; when the runs together exceed it the kernel OOM-kills
-# inside it, never the trainer or vLLM. Where no cgroup can be made (not root, a read-only /sys/fs/cgroup
-# without delegation) only the per-process RLIMIT_AS bounds memory.
+# LIMITS: per process (rlimits, inherited by the whole tree) and, for all runs together, one memory
+# budget and one process limit: a cgroup made for this process in the memory and the pids hierarchies
+# (one directory in cgroup v2). When the runs together exceed the memory budget the kernel OOM-kills
+# inside it, never the trainer or vLLM; past the process limit fork() fails inside it. The pids limit
+# is what binds a fork bomb where RLIMIT_NPROC does not: the kernel exempts uid 0 and holders of
+# CAP_SYS_RESOURCE or CAP_SYS_ADMIN from it. Where no cgroup can be made (not root, a read-only
+# /sys/fs/cgroup without delegation) only RLIMIT_AS bounds memory, and RLIMIT_NPROC processes.
 MEMORY_LIMIT_BYTES = 2 * 1024**3  # RLIMIT_AS: address space, generous for numpy/sympy imports
 MAX_FILE_BYTES = 16 * 1024**2  # RLIMIT_FSIZE: largest file the code may write
 MAX_OPEN_FILES = 128  # RLIMIT_NOFILE
+MAX_PIDS = 512  # pids.max: processes and threads of all live runs and the fork server together
 
 
 def rlimits(timeout_s: float, nproc: int) -> dict[str, tuple[int, int]]:
@@ -142,27 +153,34 @@ def rlimits(timeout_s: float, nproc: int) -> dict[str, tuple[int, int]]:
     }
 
 
-def _cgroup_dir() -> tuple[str, str] | None:
-    """(our own cgroup's directory, "v2" or "v1") for the memory controller, or None."""
+def _cgroup_dir(controller: str) -> tuple[str, str] | None:
+    """(our own cgroup's directory, "v2" or "v1") for `controller`, or None."""
     for line in open("/proc/self/cgroup").read().splitlines():
         _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            return "/sys/fs/cgroup/memory" + path, "v1"
+        if controller in controllers.split(","):
+            return f"/sys/fs/cgroup/{controllers}" + path, "v1"
         if controllers == "":
             for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):  # pure v2; hybrid
                 controllers = os.path.join(root, "cgroup.controllers")
-                if os.path.exists(controllers) and "memory" in open(controllers).read().split():
+                if os.path.exists(controllers) and controller in open(controllers).read().split():
                     return root + path, "v2"
     return None
 
 
+# What each controller's limit is written to: (v2 file, v1 file), then the optional swap limit's.
+_LIMITS = {
+    "memory": (("memory.max", "memory.limit_in_bytes"), ("memory.swap.max", "memory.memsw.limit_in_bytes")),
+    "pids": (("pids.max", "pids.max"), None),
+}
+
+
 @functools.cache
-def memory_cgroup(budget_bytes: int) -> tuple[str, str] | None:
-    """(directory, version) of this process's cgroup for sandbox runs with `budget_bytes`, made on
-    first use; None where none can be made (then only RLIMIT_AS bounds memory). Cgroups left by dead
+def _sandbox_cgroup(controller: str, budget_bytes: int) -> tuple[str, str] | None:
+    """(directory, version) of this process's cgroup for sandbox runs with `budget_bytes` in the
+    hierarchy of `controller`, made on first use; None where none can be made. Cgroups left by dead
     processes (a SIGKILLed trainer) are removed here."""
     try:
-        found = _cgroup_dir()
+        found = _cgroup_dir(controller)
         if found is None:
             return None
         parent, version = found
@@ -176,20 +194,37 @@ def memory_cgroup(budget_bytes: int) -> tuple[str, str] | None:
         if version == "v2":
             # Children get the controller only if our cgroup holds no process of its own (or is the root).
             with open(os.path.join(parent, "cgroup.subtree_control"), "r+") as f:
-                if "memory" not in f.read().split():
-                    f.write("+memory")
+                if controller not in f.read().split():
+                    f.write(f"+{controller}")
                     f.flush()
         d = os.path.join(parent, f"sandbox-{os.getpid()}-{budget_bytes >> 20}m")
         os.makedirs(d, exist_ok=True)
-        if version == "v2":
-            _write(d, "memory.max", budget_bytes)
-            _write(d, "memory.swap.max", 0, missing_ok=True)
-        else:
-            _write(d, "memory.limit_in_bytes", budget_bytes)
-            _write(d, "memory.memsw.limit_in_bytes", budget_bytes, missing_ok=True)
+        limit, swap = _LIMITS[controller]
+        value = budget_bytes if controller == "memory" else MAX_PIDS
+        _write(d, limit[version == "v1"], value)
+        if swap:
+            _write(d, swap[version == "v1"], 0 if version == "v2" else value, missing_ok=True)
         return d, version
     except OSError:
         return None
+
+
+def memory_cgroup(budget_bytes: int) -> tuple[str, str] | None:
+    """(directory, version) of the memory cgroup of sandbox runs with `budget_bytes`; None where none
+    can be made (then only RLIMIT_AS bounds memory)."""
+    return _sandbox_cgroup("memory", budget_bytes)
+
+
+def pids_cgroup(budget_bytes: int) -> tuple[str, str] | None:
+    """(directory, version) of the pids cgroup of sandbox runs with `budget_bytes`, or None."""
+    return _sandbox_cgroup("pids", budget_bytes)
+
+
+def cgroup_procs(budget_bytes: int) -> list[str]:
+    """The cgroup.procs files a sandbox run's first process writes its pid to: the memory budget and
+    the process limit (one file in cgroup v2, two in v1; none where no cgroup can be made)."""
+    dirs = {c[0] for c in (_sandbox_cgroup(k, budget_bytes) for k in _LIMITS) if c is not None}
+    return sorted(os.path.join(d, "cgroup.procs") for d in dirs)
 
 
 def _write(d: str, name: str, value: int, missing_ok: bool = False) -> None:

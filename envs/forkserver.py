@@ -1,17 +1,21 @@
 """The sandbox's warm path: a fork server with numpy and sympy imported, one forked child per call.
 
 envs/sandbox.py starts it as the last step of the namespace modes' set-up, in place of the code:
-`python -I -c <this file's text> FD MODE`, inside the pid, net and mount namespaces and the minimal
+`python -I -c <this file's text> FD HIDDEN`, inside the pid, net and mount namespaces and the minimal
 root, as their root (it imports nothing from the project: the checkout is not visible in there). FD is
 a SOCK_SEQPACKET socket: each message is one call, a JSON request with two file descriptors attached,
-the write ends of the call's output pipe and of its status pipe.
+the write ends of the call's output pipe and of its status pipe. HIDDEN (JSON) names what of the
+minimal root lies below /tmp or /dev/shm (binds of a Python install in a temp dir, symlinks to it),
+which each call's fresh tmpfs would hide: the call puts it back.
 
 Per call (the same limits and the same clean state as a cold run):
   server ─fork─► A: new mount + pid namespace; fresh tmpfs at /sandbox (the cwd, with main.py), /tmp
-                 and /dev/shm; waits for B with the wall-clock deadline, SIGKILLs it past that, and
-                 writes {"status", "timed_out"} to the status pipe
+                 and /dev/shm (HIDDEN moved back in, read-only as it was); waits for B with the
+                 wall-clock deadline, SIGKILLs it past that, and writes {"status", "timed_out"} to
+                 the status pipe
      A ─fork─► B: pid 1 of the call's pid namespace: its own /proc, stdout/stderr to the output pipe,
-                 rlimits, drops privileges (root-ns: the drawn uid; user-ns: every capability), fresh
+                 rlimits, drops privileges (to the drawn uid where there is one, as in root-ns and in
+                 user-ns under a root trainer; else every capability), fresh
                  numpy seed, then runs main.py as __main__. Its exit takes every process the code
                  left behind with it (as pid 1, it ignores signals it sends itself without a handler)
 Nothing of a call outlives it: variables, monkeypatched modules and threads die with B's memory, files
@@ -36,7 +40,7 @@ import sympy  # noqa: F401
 
 libc = ctypes.CDLL(None, use_errno=True)
 CLONE_NEWNS, CLONE_NEWPID = 0x00020000, 0x20000000
-MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_MOVE, MS_REC = 2, 4, 8, 4096, 8192, 16384
 PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP = 38, 24
 
 
@@ -51,14 +55,14 @@ def mount(source: str, target: str, fstype: str, flags: int, data: str) -> None:
     )
 
 
-def drop_privileges(mode: str, uid: int) -> None:
+def drop_privileges(uid: int | None) -> None:
     check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
-    if mode == "root-ns":
+    if uid is not None:
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)  # clears every capability
         return
-    # user-ns: we are the namespace's only uid; what makes it harmless is having no capability.
+    # user-ns as a plain user: we are the namespace's only uid; having no capability makes it harmless.
     for cap in range(64):
         libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
     header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
@@ -79,7 +83,7 @@ def run_code(req: dict, out_fd: int) -> None:
             resource.setrlimit(getattr(resource, name), (value[0], value[1]))
         os.chdir("/sandbox")
         mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "")  # of the call's pid namespace
-        drop_privileges(req["mode"], req["uid"])
+        drop_privileges(req["uid"])
         os.environ.clear()
         os.environ.update(req["env"])
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -109,16 +113,46 @@ def run_code(req: dict, out_fd: int) -> None:
         os._exit(code & 0xFF)
 
 
-def call(req: dict, out_fd: int, status_fd: int) -> None:
+def mkdirs(path: str) -> None:
+    """mkdir -p, each new directory 755 whatever the umask (the code's uid must pass through)."""
+    parts = path.strip("/").split("/")
+    for i in range(1, len(parts) + 1):
+        d = "/" + "/".join(parts[:i])
+        if not os.path.isdir(d):
+            os.mkdir(d)
+            os.chmod(d, 0o755)
+
+
+def fresh_tmpfs(hidden: dict) -> None:
+    """A fresh tmpfs at /sandbox, /tmp and /dev/shm, with the binds in `hidden` moved from below the
+    old ones to below the new (by way of /sandbox) and its symlinks made again."""
+    mount("tmpfs", "/sandbox", "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=1777")
+    binds = [(p, f"/sandbox/{i}", os.path.isdir(p)) for i, p in enumerate(hidden["binds"])]
+    for path, hold, is_dir in binds:
+        os.mkdir(hold) if is_dir else open(hold, "w").close()
+        mount(path, hold, "", MS_BIND | MS_REC, "")  # keeps its flags: read-only stays read-only
+    for path in ("/tmp", "/dev/shm"):
+        mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=1777")
+    for path, hold, is_dir in binds:
+        mkdirs(path if is_dir else os.path.dirname(path))
+        if not is_dir:
+            open(path, "w").close()
+        mount(hold, path, "", MS_MOVE, "")
+        os.rmdir(hold) if is_dir else os.unlink(hold)
+    for link, target in hidden["links"].items():
+        mkdirs(os.path.dirname(link))
+        os.symlink(target, link)
+
+
+def call(req: dict, out_fd: int, status_fd: int, hidden: dict) -> None:
     """A: never returns."""
     status, timed_out = -1, False
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         os.setsid()
         check(libc.unshare(CLONE_NEWNS | CLONE_NEWPID), "unshare")
-        uid = req["uid"] if req["mode"] == "root-ns" else 0
-        for path in ("/sandbox", "/tmp", "/dev/shm"):
-            mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=1777")
+        uid = req["uid"] if req["uid"] is not None else 0
+        fresh_tmpfs(hidden)
         os.chown("/sandbox", uid, uid)
         with open("/sandbox/main.py", "w", encoding="utf-8", errors="replace") as f:
             f.write(req["code"])
@@ -139,7 +173,7 @@ def call(req: dict, out_fd: int, status_fd: int) -> None:
     os._exit(0)
 
 
-def serve(fd: int) -> None:
+def serve(fd: int, hidden: dict) -> None:
     # The imports' objects move to a generation the collector never scans: a collection in a call
     # would otherwise touch every one of them and copy the whole heap page by page (copy-on-write).
     gc.freeze()
@@ -156,10 +190,10 @@ def serve(fd: int) -> None:
             continue
         if os.fork() == 0:
             sock.close()
-            call(json.loads(msg), *fds)
+            call(json.loads(msg), *fds, hidden)
         for f in fds:
             os.close(f)
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]))
+    serve(int(sys.argv[1]), json.loads(sys.argv[2]))

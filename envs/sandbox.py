@@ -6,11 +6,12 @@
 
 Stateless per call: every call gets a fresh process (cold path, `run_python`: a new `python -I`; warm
 path, `Sandbox.run` in the namespace modes: a fork of a server with numpy and sympy imported, see
-envs/forkserver.py), a fresh run directory as cwd (cold: removed afterwards, or, if the process that
-made it was SIGKILLed, by the next process's first run; warm: a tmpfs) and a fresh environment (PATH,
-HOME, TMPDIR, LANG, single-thread BLAS); nothing a call does (files, variables, imports, background
+envs/forkserver.py), a fresh run directory as cwd (cold: removed afterwards; warm: a tmpfs; the fork
+server's dir goes when its Sandbox closes or the process exits; the dirs of a SIGKILLed process go with
+the next process's first run, warm or cold) and a fresh environment (PATH, HOME, TMPDIR, LANG,
+single-thread BLAS); nothing a call does (files, variables, imports, background
 processes) is visible to the next call. The state in `Sandbox` is the cap on live runs and its fork
-server; the process holds one memory cgroup for all its runs.
+server; the process holds one memory and one pids cgroup for all its runs.
 
 Isolation modes, the strongest that works here is probed once per process (`isolation_mode`):
 - "root-ns" (root with CAP_SYS_ADMIN): new pid, net and mount namespaces (`unshare`). A root shell,
@@ -22,9 +23,10 @@ Isolation modes, the strongest that works here is probed once per process (`isol
   ignores it). When the code exits, the namespace dies and the kernel kills whatever it left behind.
   No interface is up in the net namespace; the trainer's pids do not exist in the pid namespace.
 - "user-ns" (not root, or root without CAP_SYS_ADMIN, where unprivileged user namespaces work): the
-  same namespaces and minimal root inside a user namespace; the code runs as the namespace's root with
-  every capability dropped (so it cannot undo the mounts). RLIMIT_NPROC counts all of our uid's
-  processes: set to the current count plus a margin, it bounds a fork bomb only loosely.
+  same namespaces and minimal root inside a user namespace. As root, we write its uid and gid maps
+  (`_map_ids`) and the code runs as a drawn uid, as in root-ns. Not root, the code runs as the
+  namespace's root (our uid) with every capability dropped (so it cannot undo the mounts);
+  RLIMIT_NPROC counts our uid's processes: set to the current count plus a margin.
 - "seccomp" (no namespace can be made; libseccomp present): see envs/confine.py. As root the code
   runs as a drawn uid (or, when the Python install lies below a directory others cannot enter, as
   root with every capability dropped); not root, as our uid. seccomp denies sockets, ptrace and
@@ -34,8 +36,9 @@ Isolation modes, the strongest that works here is probed once per process (`isol
 - "none": rlimits, a new session and the process-group kill only.
 
 Every mode: wall clock (`timeout_s`, then SIGKILL to the group, and in the drawn-uid modes to every
-process of that uid), RLIMIT_AS/CPU/FSIZE/NOFILE/CORE per process, and one memory cgroup (v2, or v1)
-for all runs together (envs/confine.py); a run the kernel OOM-kills there says so in its `error`.
+process of that uid), RLIMIT_AS/CPU/FSIZE/NOFILE/CORE per process, and one memory and one pids cgroup
+(v2, or v1) for all runs together where one can be made (envs/confine.py): the pids limit bounds a
+fork bomb where RLIMIT_NPROC does not (uid 0); a run the kernel OOM-kills says so in its `error`.
 """
 
 import asyncio
@@ -127,6 +130,17 @@ def visible_paths() -> tuple[list[str], dict[str, str]]:
     return binds, {k: v for k, v in links.items() if not any(k.startswith(q) for q in inside)}
 
 
+def _hidden_by_fresh_tmpfs() -> dict:
+    """What of the minimal root lies below /tmp or /dev/shm (a Python install in a temp dir, as a CI
+    clone has it), which a warm call's fresh tmpfs there would hide: the fork server puts it back."""
+    binds, links = visible_paths()
+
+    def below(p: str) -> bool:
+        return p.startswith(("/tmp/", "/dev/shm/"))
+
+    return {"binds": [p for p in binds if below(p)], "links": {k: v for k, v in links.items() if below(k)}}
+
+
 @functools.cache
 def _ns_prologue() -> str:
     """Shell run as root in the new namespaces. $1 = the run's base dir (run/ = the code's dir, root/ =
@@ -172,19 +186,26 @@ def _python_reachable_by_others() -> bool:
 
 def _command(mode: str, base: str, uid: int, server_fd: int | None = None) -> list[str]:
     """argv of one run (cwd is base/run in the modes without a mount namespace); with server_fd, of
-    the namespace modes' fork server instead, which stays the namespaces' root (envs/forkserver.py)."""
+    the namespace modes' fork server instead, which stays the namespaces' root (envs/forkserver.py).
+    Where `_maps_ids`, the run waits for `_map_ids` on its stdin, a socket."""
     python = [sys.executable, "-I", "main.py"]
-    ns = ["--net", "--pid", "--fork", "--kill-child", "--mount", "--propagation", "private"]
+    ns = ["unshare", "--net", "--pid", "--fork", "--kill-child", "--mount", "--propagation", "private"]
     shell = ["/bin/sh", "-c", _ns_prologue(), "sh", base]
-    if mode == "root-ns":
+    user = []
+    if _draws_uid(mode):
         drop = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs", "--"]
-    if mode == "user-ns":
+    elif mode == "user-ns":
         drop = ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
-        ns = ["--user", "--map-root-user", *ns]
+        ns.insert(1, "--map-root-user")
+    if _maps_ids(mode):
+        # A user namespace first, whose maps we write from outside: the other namespaces are made by
+        # a fresh exec once its root is mapped (an exec before that drops every capability).
+        user = ["unshare", "--user", "--", "/bin/sh", "-c", 'echo >&0; read _; exec "$@" </dev/null', "sh"]
     if mode in ("root-ns", "user-ns"):
         if server_fd is not None:
             drop, python = [], [sys.executable, "-I", "-c", _forkserver_source(), str(server_fd)]
-        return ["unshare", *ns, "--", *shell, *drop, *python]
+            python.append(json.dumps(_hidden_by_fresh_tmpfs()))
+        return [*user, *ns, "--", *shell, *drop, *python]
     if mode == "seccomp" and os.geteuid() == 0:
         if _python_reachable_by_others():
             return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *python]
@@ -199,44 +220,91 @@ def _forkserver_source() -> str:
 
 def _draws_uid(mode: str) -> bool:
     """Does the code run as its own drawn uid (so RLIMIT_NPROC and the kill-by-uid work)?"""
-    return mode == "root-ns" or (mode == "seccomp" and os.geteuid() == 0 and _python_reachable_by_others())
+    if mode == "seccomp":
+        return os.geteuid() == 0 and _python_reachable_by_others()
+    return mode == "root-ns" or _maps_ids(mode)
 
 
-def _preexec(mode: str, run_dir: str, timeout_s: float, nproc: int, cgroup_procs: str | None) -> None:
-    """Between fork and exec: join the memory cgroup, set the rlimits (inherited by the whole process
-    tree), and SIGKILL the run's first process when the thread that started it dies (a kill -9 of the
-    trainer included): in the namespace modes that is `unshare --kill-child`, whose death takes the
-    pid namespace with it; otherwise a run sleeping in a syscall (no CPU time) would outlive us.
-    In mode "seccomp", confine (seccomp + Landlock) last."""
+def _unbounded(mode: str, budget: int) -> bool:
+    """Would nothing bound a fork bomb? The code runs as uid 0 (capability-less root in mode seccomp),
+    which RLIMIT_NPROC exempts, and no pids cgroup can be made (a read-only /sys/fs/cgroup, as in a
+    default Docker container): then seccomp refuses it new processes (`confine.seccomp_filter`)."""
+    root = mode == "seccomp" and os.geteuid() == 0 and not _draws_uid(mode)
+    return root and confine.pids_cgroup(budget) is None
+
+
+def _maps_ids(mode: str) -> bool:
+    return mode == "user-ns" and os.geteuid() == 0
+
+
+def _map_ids(pid: int, sock: socket.socket) -> None:
+    """Mode user-ns as root (`_maps_ids`): once run `pid` says (on `sock`, its stdin) that it is in its
+    new user namespace, map uid and gid 0 there to ours (the namespaces' root shell, which makes the
+    minimal root) and the sandbox uid range to itself (the code drops to a drawn uid in it, as in
+    root-ns; as the namespace's root it would be the real uid 0, which RLIMIT_NPROC exempts). A
+    multi-line map needs CAP_SETUID/CAP_SETGID where the namespace was made, which root without
+    CAP_SYS_ADMIN keeps. A run that died first is left to report its own exit. Blocking: call it off
+    the event loop."""
+    lo, hi = UID_RANGE
+    try:
+        sock.settimeout(30)
+        if sock.recv(1):
+            for name in ("uid_map", "gid_map"):
+                with open(f"/proc/{pid}/{name}", "w") as f:
+                    f.write(f"0 0 1\n{lo} {lo} {hi - lo + 1}\n")
+            sock.sendall(b"\n")
+    except OSError:
+        pass
+    finally:
+        sock.close()
+
+
+def _preexec(
+    mode: str, run_dir: str, timeout_s: float, nproc: int, cgroup_procs: list[str], no_fork: bool = False
+) -> None:
+    """Between fork and exec: join the sandbox cgroups (memory budget, process limit), set the rlimits
+    (inherited by the whole process tree), and SIGKILL the run's first process when the thread that
+    started it dies (a kill -9 of the trainer included): in the namespace modes that is `unshare
+    --kill-child`, whose death takes the pid namespace with it; otherwise a run sleeping in a syscall
+    (no CPU time) would outlive us.
+    In mode "seccomp", confine (seccomp + Landlock; `no_fork`: see `_unbounded`) last."""
     confine.die_with_parent(os.getppid())
-    confine.pin_to_rollout_cpus()
-    if cgroup_procs:
-        with open(cgroup_procs, "w") as f:
-            f.write(str(os.getpid()))
+    _join(cgroup_procs)
     for name, limits in confine.rlimits(timeout_s, nproc).items():
         resource.setrlimit(getattr(resource, name), limits)
     if mode == "seccomp":
         readable = visible_paths()[0] + ["/sys/devices/system/cpu"]
-        confine.confine(readable, [run_dir] + [f"/dev/{d}" for d in DEVICES])
+        confine.confine(readable, [run_dir] + [f"/dev/{d}" for d in DEVICES], no_fork)
 
 
 def _probe(mode: str) -> bool:
     """Run print(1) in `mode`, synchronously (isolation_mode may be called inside an event loop)."""
     base = _make_base(mode, uid := random.SystemRandom().randint(*UID_RANGE), "print(1)")
+    ours, theirs = socket.socketpair() if _maps_ids(mode) else (None, None)
     try:
-        probe = subprocess.run(
+        with subprocess.Popen(
             _command(mode, base, uid),
             cwd=os.path.join(base, "run"),
             env=_env(mode, base),
-            capture_output=True,
-            timeout=30,
-            check=False,
-            preexec_fn=functools.partial(_preexec, mode, os.path.join(base, "run"), 30, _nproc(mode), None),
-        )
-        return probe.returncode == 0 and probe.stdout == b"1\n"
+            stdin=theirs.fileno() if theirs else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            preexec_fn=functools.partial(_preexec, mode, os.path.join(base, "run"), 30, _nproc(mode), []),
+        ) as probe:
+            if theirs:
+                theirs.close()
+                _map_ids(probe.pid, ours)
+            try:
+                out, _ = probe.communicate(timeout=30)
+            finally:
+                probe.kill()
+        return probe.returncode == 0 and out == b"1\n"
     except (OSError, subprocess.SubprocessError):
         return False
     finally:
+        for sock in (ours, theirs):
+            if sock:
+                sock.close()
         shutil.rmtree(base, ignore_errors=True)
 
 
@@ -272,6 +340,7 @@ def isolation_gaps() -> list[str]:
 
 def _make_base(mode: str, uid: int, code: str) -> str:
     """base/run (the code's dir, with main.py) and, in the namespace modes, base/root (a mount point)."""
+    remove_run_dirs_of_dead_processes()
     base = tempfile.mkdtemp(prefix=f"sandbox-{os.getpid()}-")
     run_dir = os.path.join(base, "run")
     os.mkdir(run_dir)
@@ -317,20 +386,22 @@ def _nproc(mode: str) -> int:
     return MAX_PROCESSES if _draws_uid(mode) or os.geteuid() == 0 else _user_process_count() + MAX_PROCESSES
 
 
-def _kill_uid(uid: int) -> None:
-    """SIGKILL every process owned by `uid` (root only), until none is left; a fork bomb is bounded by
-    RLIMIT_NPROC, so this converges in a few rounds."""
-    for _ in range(100):
-        found = False
-        for pid in os.listdir("/proc"):
-            try:
-                if pid.isdigit() and os.stat(f"/proc/{pid}").st_uid == uid:
-                    os.kill(int(pid), signal.SIGKILL)
-                    found = True
-            except OSError:  # exited meanwhile
-                pass
-        if not found:
-            return
+def _kill_run(pgid: int, uid: int | None) -> bool:
+    """SIGKILL every process of a run: its process group, and every process of its drawn `uid`
+    (root only). True if one was still alive (not a zombie: the run's orphans go to init, which reaps
+    them in its own time; until then they hold their pids in the pids cgroup)."""
+    found = False
+    for pid in os.listdir("/proc"):
+        try:
+            if not pid.isdigit():
+                continue
+            state, _, pgrp = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[:3]
+            if int(pgrp) == pgid or os.stat(f"/proc/{pid}").st_uid == uid:
+                os.kill(int(pid), signal.SIGKILL)
+                found = found or state != "Z"
+        except (OSError, IndexError, ValueError):  # exited meanwhile
+            pass
+    return found
 
 
 async def _drain(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, bytes, int]:
@@ -366,10 +437,9 @@ async def run_python(
     docstring. No concurrency cap: use a shared `Sandbox` for that. Never raises for anything the code
     does; a failure to start is reported in `error`.
     """
-    mode = isolation_mode()
+    mode, budget = isolation_mode(), memory_budget_bytes
     uid = random.SystemRandom().randint(*UID_RANGE)  # OS entropy: immune to random.seed()
     start = time.monotonic()
-    remove_run_dirs_of_dead_processes()
     cgroup = confine.memory_cgroup(memory_budget_bytes)
     ooms_before = confine.oom_kills(cgroup)
     base = _make_base(mode, uid, code)
@@ -377,33 +447,44 @@ async def run_python(
     timed_out, error = False, ""
     head, tail, total = b"", b"", 0
     proc = None
+    ours, theirs = socket.socketpair() if _maps_ids(mode) else (None, None)
     try:
-        proc = await asyncio.create_subprocess_exec(
-            *_command(mode, base, uid),
-            cwd=run_dir,
-            env=_env(mode, base),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=functools.partial(
-                _preexec,
-                mode,
-                run_dir,
-                timeout_s,
-                _nproc(mode),
-                cgroup and os.path.join(cgroup[0], "cgroup.procs"),
-            ),
-        )
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *_command(mode, base, uid),
+                cwd=run_dir,
+                env=_env(mode, base),
+                stdin=theirs.fileno() if theirs else asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=functools.partial(
+                    _preexec,
+                    mode,
+                    run_dir,
+                    timeout_s,
+                    _nproc(mode),
+                    confine.cgroup_procs(budget),
+                    _unbounded(mode, budget),
+                ),
+            )
+        finally:
+            if theirs:
+                theirs.close()
+        if ours:
+            await asyncio.to_thread(_map_ids, proc.pid, ours)
         drain = asyncio.ensure_future(_drain(proc.stdout, max_output_bytes))
         try:
             await asyncio.wait_for(proc.wait(), timeout_s)
         except TimeoutError:
             timed_out = True
-        # Always: kill what is left (the code on timeout; background children after a normal exit).
+        # Always: kill what is left (the code on timeout; background children after a normal exit),
+        # and wait until it is gone (a pid namespace dies after `unshare`, not with it): a fork bomb
+        # is bounded by RLIMIT_NPROC or the pids cgroup, so this converges in a few rounds.
         _signal_kill(proc)
-        if _draws_uid(mode):
-            _kill_uid(uid)
+        deadline = time.monotonic() + 5
+        while _kill_run(proc.pid, uid if _draws_uid(mode) else None) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
         await proc.wait()
         try:
             head, tail, total = await asyncio.wait_for(drain, 2.0)
@@ -413,6 +494,8 @@ async def run_python(
     except (OSError, subprocess.SubprocessError) as e:
         error = f"sandbox failed to start: {e}"
     finally:
+        if ours:
+            ours.close()
         shutil.rmtree(base, ignore_errors=True)
     exit_code = None if proc is None else proc.returncode
     oom = confine.oom_kills(cgroup) > ooms_before
@@ -457,7 +540,7 @@ class _ForkServer:
     """The server process and our end of its socket. Started by a thread of its own that lives as long
     as the server: PR_SET_PDEATHSIG fires when the thread that started a process ends."""
 
-    def __init__(self, mode: str, cgroup_procs: str | None):
+    def __init__(self, mode: str, cgroup_procs: list[str]):
         self.mode = mode
         self.base = _make_base(mode, 0, "")
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -467,20 +550,27 @@ class _ForkServer:
         self._ready_lock = threading.Lock()
 
         def keep() -> None:
+            maps, their_maps = socket.socketpair() if _maps_ids(mode) else (None, None)
             try:
                 self.proc = subprocess.Popen(
                     _command(mode, self.base, 0, server_fd=theirs.fileno()),
                     cwd=os.path.join(self.base, "run"),
                     env=_env(mode, self.base),
-                    stdin=subprocess.DEVNULL,
+                    stdin=their_maps.fileno() if their_maps else subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,
                     pass_fds=[theirs.fileno()],
                     start_new_session=True,
                     preexec_fn=functools.partial(_server_preexec, cgroup_procs),
                 )
+                if maps:
+                    their_maps.close()
+                    _map_ids(self.proc.pid, maps)
             finally:
                 theirs.close()
+                for sock in (maps, their_maps):
+                    if sock:
+                        sock.close()
                 self.started.set()
             self.proc.wait()
             self.sock.close()  # the next call's send fails: it goes cold, the next Sandbox call restarts
@@ -503,15 +593,28 @@ class _ForkServer:
             return self.ready
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            _signal_kill(self.proc)
+        """Kill the server and remove its dir now (at exit no thread is left to do it)."""
+        self.started.wait(60)
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                _signal_kill(self.proc)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        shutil.rmtree(self.base, ignore_errors=True)
 
 
-def _server_preexec(cgroup_procs: str | None) -> None:
+def _server_preexec(cgroup_procs: list[str]) -> None:
     confine.die_with_parent(os.getppid())
+    _join(cgroup_procs)
+
+
+def _join(cgroup_procs: list[str]) -> None:
+    """Pin to the rollout CPUs and join the sandbox cgroups (in a child, between fork and exec)."""
     confine.pin_to_rollout_cpus()
-    if cgroup_procs:
-        with open(cgroup_procs, "w") as f:
+    for procs in cgroup_procs:
+        with open(procs, "w") as f:
             f.write(str(os.getpid()))
 
 
@@ -535,8 +638,7 @@ async def _run_warm(
     req = {
         "code": code,
         "timeout_s": timeout_s,
-        "mode": mode,
-        "uid": random.SystemRandom().randint(*UID_RANGE),
+        "uid": random.SystemRandom().randint(*UID_RANGE) if _draws_uid(mode) else None,
         "env": _env(mode, ""),
         "rlimits": confine.rlimits(timeout_s, _nproc(mode)),
     }
@@ -624,13 +726,12 @@ class Sandbox:
                 return server
             if time.monotonic() - self._server_failed_at < 60:
                 return None
-            cgroup = confine.memory_cgroup(self.memory_budget_bytes)
             server = self._server = _ForkServer(
-                isolation_mode(), cgroup and os.path.join(cgroup[0], "cgroup.procs")
+                isolation_mode(), confine.cgroup_procs(self.memory_budget_bytes)
             )
             weakref.finalize(self, server.stop)  # a Sandbox dropped takes its server with it
         if not await asyncio.to_thread(server.wait_ready):
-            server.stop()
+            await asyncio.to_thread(server.stop)
             self._server_failed_at = time.monotonic()
             return None
         return server

@@ -244,11 +244,16 @@ def test_adversarial_answers_return_within_the_deadline_and_score_wrong(short_de
     ep = load_env("math").make_episode({"question": "q", "answer": "5"})
     batch = [("5.0", 1.0), ("6", 0.0)] + [(a, 0.0) for a in ADVERSARIAL] + [("\\frac{10}{2}", 1.0)]
     for pred, want in batch:
+        assert verify.pool().check("1", "1")  # a worker is idle now: the answer takes the last idle one
+        worker, timeouts = verify.pool().pids()[-1], ep.reward_timeouts
         t0 = time.monotonic()
         got = ep.reward(final(f"\\boxed{{{pred}}}"), [])
         took = time.monotonic() - t0
         assert got == want, pred[:30]
         assert took < DEADLINE_S + SLACK_S, (pred[:30], took)
+        # The overrun worker is gone (killed and reaped, not a zombie); one that answered stays.
+        overran = ep.reward_timeouts > timeouts
+        assert Path(f"/proc/{worker}").exists() != overran, (pred[:30], worker, overran)
     assert ep.reward_timeouts >= 2  # the power tower and (10^10)! at least; the rest fail fast or time out
 
 

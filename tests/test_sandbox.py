@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from envs.confine import ROLLOUT_CPUS_ENV
+from envs.confine import MAX_PIDS, ROLLOUT_CPUS_ENV
 from envs.sandbox import MAX_OUTPUT_BYTES, UID_RANGE, Sandbox, isolation_mode, run_python
 
 ISOLATED = isolation_mode() in ("root-ns", "user-ns")
@@ -313,9 +313,32 @@ def test_nothing_left_behind(temp_dirs_before):
     assert not left, f"temp dirs left behind: {left}"
 
 
-def test_run_dirs_of_a_killed_process_are_removed_by_the_next_process():
+@pytest.mark.parametrize("how", ["close", "exit"])
+def test_no_run_dir_left_by_a_process_that_closes_its_sandbox_or_exits(how):
+    """A process that used both paths leaves no run dir of its pid: none once it has closed its
+    Sandbox, none once it has exited normally (its fork server's dir included)."""
     import subprocess
-    import sys
+
+    code = (
+        "import asyncio, os, sys, envs.sandbox as s\nsb = s.Sandbox(2)\n"
+        "print(asyncio.run(sb.run('print(1)', timeout_s=30)).output, end='')\n"
+        "print(asyncio.run(s.run_python('print(1)', timeout_s=30)).output, end='')\n"
+        "if sys.argv[1] == 'close':\n    sb.close()\n"
+        "    print([d for d in os.listdir('/tmp') if d.startswith(f'sandbox-{os.getpid()}-')])\n"
+        "print(os.getpid())"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, how], capture_output=True, text=True, timeout=120, cwd=REPO, check=False
+    )
+    *lines, pid = r.stdout.split()
+    assert lines == ["1", "1"] + ["[]"] * (how == "close"), r.stdout + r.stderr
+    left = [d for d in os.listdir("/tmp") if d.startswith(f"sandbox-{pid}-")]
+    assert not left, f"run dirs left by a process that exited normally: {left}"
+
+
+@pytest.mark.parametrize("next_path", ["warm", "cold"])
+def test_run_dirs_of_a_killed_process_are_removed_by_the_next_process(next_path):
+    import subprocess
     import tempfile
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -324,24 +347,90 @@ def test_run_dirs_of_a_killed_process_are_removed_by_the_next_process():
     open(os.path.join(orphan, "main.py"), "w").close()
     live = tempfile.mkdtemp(prefix=f"sandbox-{os.getpid()}-")  # a live process's run in progress
     try:
-        code = "import asyncio, envs.sandbox as s; print(asyncio.run(s.run_python('print(1)')).output)"
-        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=repo)
+        # The next process uses one path only: a trainer's runs all go warm in the namespace modes.
+        code = (
+            "import asyncio, envs.sandbox as s\n"
+            f"sb = s.Sandbox(1, warm={next_path == 'warm'})\n"
+            "print(asyncio.run(sb.run('print(1)', timeout_s=30)).output)"
+        )
+        r = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO, check=False
+        )
         assert r.stdout.strip() == "1", r.stderr
         assert not os.path.exists(orphan) and os.path.isdir(live)
     finally:
         os.rmdir(live)
 
 
+def _python_with_venv_at(where: str, tmp_root: str) -> list[str]:
+    """argv prefix running this venv's python as if the venv lay at `where`: 'elsewhere' (where it is),
+    'tmp-dir' (bound onto a directory under /tmp, in a private mount namespace) or 'tmp-link' (a
+    symlink under /tmp, as a checkout's `.venv` link in a CI clone)."""
+    if where == "elsewhere":
+        return [sys.executable]
+    venv = os.path.join(tmp_root, "venv")
+    if where == "tmp-link":
+        os.symlink(sys.prefix, venv)
+        return [os.path.join(venv, "bin", "python")]
+    os.mkdir(venv)
+    shell = f'mount --bind "{sys.prefix}" "{venv}" && exec "$@"'
+    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", shell, "sh"] + [
+        os.path.join(venv, "bin", "python")
+    ]
+
+
+@pytest.mark.parametrize("where", ["elsewhere", "tmp-dir", "tmp-link"])
+def test_warm_path_imports_what_the_cold_path_imports(where):
+    """A module the fork server did not import (numpy.polynomial, pandas) imports on both paths
+    whether the venv lies under /tmp (a CI clone made with mktemp -d) or elsewhere."""
+    import json
+    import subprocess
+    import tempfile
+
+    if where == "tmp-dir" and os.geteuid() != 0:
+        pytest.skip("needs root to bind the venv under /tmp")
+    code = (
+        "import sys\nloaded = [m for m in ('numpy.polynomial', 'pandas') if m in sys.modules]\n"
+        "import numpy.polynomial, pandas\nprint(loaded, numpy.polynomial.Polynomial([1, 2])(3), sys.prefix)"
+    )
+    script = (
+        "import asyncio, json, sys, envs.sandbox as s\n"
+        f"code = {code!r}\nwarm, cold = s.Sandbox(1), s.Sandbox(1, warm=False)\n"
+        "out = [asyncio.run(sb.run(code, timeout_s=60)) for sb in (warm, cold)]\n"
+        "print(json.dumps([sys.prefix, s.isolation_mode()] + [r.output + r.error for r in out]))"
+    )
+    with tempfile.TemporaryDirectory(prefix="venv-") as tmp_root:
+        argv = _python_with_venv_at(where, tmp_root) + ["-c", script]
+        env = {"PATH": os.environ["PATH"], "PYTHONPATH": REPO}
+        p = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    prefix, mode, warm, cold = json.loads(p.stdout.splitlines()[-1])
+    assert prefix.startswith("/tmp/") == (where != "elsewhere"), prefix
+    assert cold == f"[] 7.0 {prefix}\n", cold
+    assert warm == cold, f"warm path ({mode}): {warm}"
+
+
 # THE ATTACK SUITE IN EVERY ISOLATION MODE
-# (a) runs in this process; (b)-(d) re-create the privilege conditions for real in a child that runs
-# this file as a script (`attacks` below) and reports what each attack printed.
+# Each mode's privilege conditions are re-created for real in a child that runs this file as a script
+# (`attacks` below), from this checkout and from a copy under /tmp (a CI clone), and reports what each
+# attack printed through both paths (warm: the fork server; cold: `run_python`), then what a fork bomb
+# did to each path.
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECRET = "hunter2-secret-token"
 TEST_USER = "sandbox-test"
 # The checkout's own sources, by a path suffix no installed library shares.
 CHECKOUT_SOURCES = ("/train_async_grpo.py", "/envs/sandbox.py", "/envs/retool.py", "/envs/confine.py")
+BOMB = "import os\nwhile True: os.fork()"
+BOMB_TIMEOUT_S = 3.0
+# How many processes the code can have at once: children that sleep (output closed: the call ends when
+# the parent does) until fork fails, or FORK_CAP, so a sandbox with no limit fails the test without
+# flooding the machine.
+FORK_CAP = 600
+COUNT_FORKS = (
+    "import os, time\nn = 0\nwhile n < FORK_CAP:\n    try: pid = os.fork()\n    except OSError: break\n"
+    "    if pid == 0: os.close(1); os.close(2); time.sleep(60); os._exit(0)\n    n += 1\nprint(n)"
+).replace("FORK_CAP", str(FORK_CAP))
 ATTACKS = {
     "walk": (
         "import os\nfor top, dirs, files in os.walk('/'):\n"
@@ -376,54 +465,158 @@ ATTACKS = {
         "        try: os.kill(pid, 0); print('SIGNALLABLE', pid)\n        except OSError: pass\n"
         "print('done')"
     ),
+    # Every path bound into the minimal root (BINDS: the sandbox's own list) must be a read-only
+    # mount there: the code's uid alone (no write permission) would hide a read-write bind. Without a
+    # minimal root (mode seccomp) these are the machine's own mounts, and only the write must fail.
+    "readonly": (
+        "import os\nfor p in BINDS:\n"
+        "    if not os.statvfs(p).f_flag & os.ST_RDONLY: print('WRITABLE-MOUNT', p)\n"
+        "    d = p if os.path.isdir(p) else os.path.dirname(p)\n"
+        "    try: open(os.path.join(d, 'sandbox_rw_probe'), 'w').close(); print('WROTE', d)\n"
+        "    except OSError: pass\n"
+        "print('checked', len(BINDS))"
+    ),
 }
 
 
+def _proc_table() -> dict[int, tuple[int, str, str]]:
+    """pid -> (parent pid, state, cwd or '') of every live process."""
+    table = {}
+    for pid in os.listdir("/proc"):
+        try:
+            if not pid.isdigit():
+                continue
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            try:
+                cwd = os.readlink(f"/proc/{pid}/cwd")
+            except OSError:
+                cwd = ""
+            table[int(pid)] = (int(fields[1]), fields[0], cwd)
+        except (OSError, IndexError):
+            pass
+    return table
+
+
+def run_processes(exclude: set[int] = frozenset()) -> set[int]:
+    """Live (not zombie) processes of this process's sandbox runs: its descendants (an orphan in a pid
+    namespace stays inside it) and any process whose cwd is one of its run dirs (a cold run without a
+    pid namespace, whose orphans go to init); those in `exclude` left out."""
+    table = _proc_table()
+    marker = f"/sandbox-{os.getpid()}-"
+
+    def descends(pid: int) -> bool:
+        for _ in range(64):
+            pid = table[pid][0] if pid in table else 0
+            if pid in (0, 1) or pid == os.getpid():
+                return pid == os.getpid()
+        return False
+
+    return {
+        pid
+        for pid, (_, state, cwd) in table.items()
+        if state != "Z" and pid not in exclude and (descends(pid) or marker in cwd)
+    }
+
+
+def descendants(pid: int) -> set[int]:
+    table = _proc_table()
+    found, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        found.add(p)
+        todo += [c for c, (ppid, _, _) in table.items() if ppid == p and c not in found]
+    return found
+
+
+def bomb_then_print(sandbox: Sandbox, others: list[Sandbox]) -> dict:
+    """A fork bomb, then an innocent call, through `sandbox`: how long the bomb took, what the next
+    call printed, how many processes a third call could start, and which processes of the three are
+    left once they have returned (the fork servers of `others` and of `sandbox` are not)."""
+
+    async def three():
+        bomb = await sandbox.run(BOMB, timeout_s=BOMB_TIMEOUT_S)
+        return bomb, await sandbox.run("print(2)", timeout_s=30), await sandbox.run(COUNT_FORKS, timeout_s=30)
+
+    bomb, after, forks = asyncio.run(three())
+    servers = [s._server.proc.pid for s in [sandbox, *others] if s._server and s._server.proc]
+    deadline = time.monotonic() + 1  # the kernel reaps the killed tree; give it a moment
+    while (left := run_processes(set().union(*map(descendants, servers)))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return {
+        "duration_s": bomb.duration_s,
+        "bomb_error": bomb.error,
+        "next": after.output + after.error,
+        "left": sorted(left),
+        "processes": forks.output + forks.error,
+    }
+
+
 def attack_suite(port: int) -> dict:
-    """Run every attack through one Sandbox; with a sleeper of ours that must outlive them."""
+    """Run every attack through a warm and a cold Sandbox, with a sleeper of ours that must outlive
+    them; then a fork bomb and an innocent call through each."""
     import subprocess
 
+    from envs.confine import pids_cgroup
+    from envs.sandbox import MEMORY_BUDGET_BYTES, isolation_gaps, visible_paths
+
     sleeper = subprocess.Popen(["sleep", "300"])
-    sandbox = Sandbox(max_concurrency=2)
+    paths = {"warm": Sandbox(max_concurrency=2), "cold": Sandbox(max_concurrency=2, warm=False)}
     # our parent too, unless it is init (a run under nohup): in a pid namespace 1 is the sandbox's own
     targets = [os.getpid(), sleeper.pid] + [os.getppid()] * (os.getppid() != 1)
+    codes = [
+        code.replace("PORT", str(port))
+        .replace("TARGETS", str(targets))
+        .replace("BINDS", repr(visible_paths()[0]))
+        for code in ATTACKS.values()
+    ]
 
-    async def all_attacks():
-        codes = [
-            code.replace("PORT", str(port)).replace("TARGETS", str(targets)) for code in ATTACKS.values()
-        ]
+    async def all_attacks(sandbox):
         return await asyncio.gather(*(sandbox.run(c, timeout_s=120) for c in codes))
 
-    results = asyncio.run(all_attacks())
+    outputs = {}
+    for path, sandbox in paths.items():
+        for name, r in zip(ATTACKS, asyncio.run(all_attacks(sandbox)), strict=True):
+            outputs[f"{path}/{name}"] = r.output + r.error
     alive = sleeper.poll() is None
     sleeper.kill()
     sleeper.wait()
-    from envs.sandbox import isolation_gaps
-
+    bombs = {path: bomb_then_print(sandbox, list(paths.values())) for path, sandbox in paths.items()}
     return {
         "mode": isolation_mode(),
         "gaps": isolation_gaps(),
         "install": sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)}),
         "sleeper_alive": alive,
-        "outputs": {name: r.output + r.error for name, r in zip(ATTACKS, results, strict=True)},
+        "outputs": outputs,
+        "bombs": bombs,
+        "pids_cgroup": pids_cgroup(MEMORY_BUDGET_BYTES),
     }
 
 
 def check_attacks(report: dict, listener: socket.socket) -> None:
-    out = report["outputs"]
     assert report["sleeper_alive"], "the sandbox killed a process of ours"
-    found = [line.split(" ", 1)[1] for line in out["walk"].splitlines() if line.startswith("FOUND ")]
-    # The Python install may carry data files of its own (a library's .safetensors); nothing else may.
-    leaked = [p for p in found if not any(p.startswith(d + "/") for d in report["install"])]
-    assert not leaked, f"the code found {leaked}"
-    assert "walked" in out["walk"], out["walk"]
-    assert SECRET not in out["environ"] and "read" in out["environ"], out["environ"][-2000:]
-    assert "CONNECTED" not in out["connect"] and "blocked" in out["connect"], out["connect"]
     with pytest.raises(BlockingIOError):
         listener.accept()  # nothing reached our loopback
-    assert "done" in out["kill"] and "KILLED" not in out["kill"], out["kill"]
-    if report["mode"] not in ("root-ns", "user-ns"):  # there the pids seen are the run's own namespace
-        assert "SIGNALLABLE" not in out["kill"], out["kill"]
+    for path in ("warm", "cold"):
+        out = {name: report["outputs"][f"{path}/{name}"] for name in ATTACKS}
+        found = [line.split(" ", 1)[1] for line in out["walk"].splitlines() if line.startswith("FOUND ")]
+        # The Python install may carry data files of its own (a library's .safetensors); nothing else may.
+        leaked = [p for p in found if not any(p.startswith(d + "/") for d in report["install"])]
+        assert not leaked, f"{path}: the code found {leaked}"
+        assert "walked" in out["walk"], out["walk"]
+        assert SECRET not in out["environ"] and "read" in out["environ"], out["environ"][-2000:]
+        assert "CONNECTED" not in out["connect"] and "blocked" in out["connect"], out["connect"]
+        assert "done" in out["kill"] and "KILLED" not in out["kill"], out["kill"]
+        assert "checked" in out["readonly"] and "WROTE" not in out["readonly"], out["readonly"]
+        if report["mode"] in ("root-ns", "user-ns"):
+            assert "WRITABLE-MOUNT" not in out["readonly"], out["readonly"]
+        else:  # in the namespace modes the pids seen are the run's own namespace
+            assert "SIGNALLABLE" not in out["kill"], out["kill"]
+    for path, bomb in report["bombs"].items():
+        assert bomb["duration_s"] <= BOMB_TIMEOUT_S + 2, (path, bomb)
+        assert bomb["next"] == "2\n", (path, bomb)
+        assert bomb["left"] == [], (path, bomb)
+        # The most any limit allows: the pids cgroup (RLIMIT_NPROC is lower where it binds).
+        assert int(bomb["processes"].split()[0]) <= MAX_PIDS, (path, bomb)
 
 
 @pytest.fixture
@@ -436,21 +629,32 @@ def listener():
     s.close()
 
 
-def test_attacks_mode_a_root_with_cap_sys_admin(listener, monkeypatch):
-    if os.geteuid() != 0 or isolation_mode() != "root-ns":
-        pytest.skip(f"this process is not root with CAP_SYS_ADMIN (mode {isolation_mode()!r})")
-    monkeypatch.setenv("SANDBOX_TEST_SECRET", SECRET)
-    check_attacks(attack_suite(listener.getsockname()[1]), listener)
+@pytest.fixture(scope="module")
+def checkouts(tmp_path_factory):
+    """This checkout, and a copy of what the attack child needs (and the walk looks for) in a temp dir
+    under /tmp, as a CI clone would be."""
+    import tempfile
+
+    copy = tempfile.mkdtemp(prefix="checkout-")
+    os.chmod(copy, 0o755)  # readable by the code's uid: only the sandbox may hide it
+    for rel in ["tests/test_sandbox.py", *(s.lstrip("/") for s in CHECKOUT_SOURCES)]:
+        os.makedirs(os.path.dirname(os.path.join(copy, rel)), exist_ok=True)
+        shutil.copy(os.path.join(REPO, rel), os.path.join(copy, rel))
+    for name in os.listdir(os.path.join(REPO, "envs")):
+        if name.endswith(".py"):
+            shutil.copy(os.path.join(REPO, "envs", name), os.path.join(copy, "envs", name))
+    yield {"work": REPO, "tmp": copy}
+    shutil.rmtree(copy)
 
 
-def expose_python_shell() -> str:
-    """Shell (run as root in a private mount namespace) making the Python install and this checkout's
+def expose_python_shell(repo: str) -> str:
+    """Shell (run as root in a private mount namespace) making the Python install and the checkout's
     test and envs code reachable by other uids: here the install lies below /root (mode 700), where a
     container would have it in /usr/local, and a checkout may lie in a private temp dir (a CI clone)."""
     from envs.sandbox import _blocked_ancestors
 
     blocked: dict[str, set[str]] = {}
-    for p in (sys.executable, sys.prefix, sys.base_prefix, os.path.abspath(__file__), f"{REPO}/envs"):
+    for p in (sys.executable, sys.prefix, sys.base_prefix, f"{repo}/tests", f"{repo}/envs"):
         for parent, children in _blocked_ancestors(p).items():
             blocked.setdefault(parent, set()).update(children)
     lines = ["set -e"]
@@ -465,29 +669,38 @@ def expose_python_shell() -> str:
 
 
 AS_TEST_USER = [f"--reuid={TEST_USER}", f"--regid={TEST_USER}", "--clear-groups"]
-# name: (setpriv arguments for the child, deny it user namespaces?, make Python reachable?, mode expected)
+NO_SYS_ADMIN = ["--bounding-set=-sys_admin"]
+NO_CGROUPS = "for m in /sys/fs/cgroup /sys/fs/cgroup/*; do mount -o remount,bind,ro $m; done"
+# name: (setpriv arguments for the child, deny it user namespaces?, make Python reachable?,
+#        cgroups writable?, mode expected)
 MODES = {
+    # (a) root with CAP_SYS_ADMIN (this machine).
+    "a-root-with-cap-sys-admin": ([], False, False, True, "root-ns"),
     # (b) a default Docker container: root, CAP_SYS_ADMIN out of the bounding set, user namespaces
     # refused by seccomp; the Python install reachable by others (as in /usr/local).
-    "b-root-without-cap-sys-admin": (["--bounding-set=-sys_admin"], True, True, "seccomp"),
+    "b-root-without-cap-sys-admin": (NO_SYS_ADMIN, True, True, True, "seccomp"),
     # (b') the same with the Python install below a directory others cannot enter (this machine's
     # /root): the code runs as root with every capability dropped.
-    "b-root-no-cap-sys-admin-python-in-root-dir": (["--bounding-set=-sys_admin"], True, False, "seccomp"),
+    "b-root-no-cap-sys-admin-python-in-root-dir": (NO_SYS_ADMIN, True, False, True, "seccomp"),
+    # ... and with /sys/fs/cgroup read-only, as Docker mounts it: no pids cgroup, and root is exempt
+    # from RLIMIT_NPROC, so the code may start no process at all.
+    "b-root-no-cap-sys-admin-python-in-root-dir-no-cgroup": (NO_SYS_ADMIN, True, False, False, "seccomp"),
     # (b'') root without CAP_SYS_ADMIN where user namespaces are allowed: the user-ns mode.
-    "b-root-no-cap-sys-admin-with-user-namespaces": (["--bounding-set=-sys_admin"], False, True, "user-ns"),
+    "b-root-no-cap-sys-admin-with-user-namespaces": (NO_SYS_ADMIN, False, True, True, "user-ns"),
     # (c) a plain user where unprivileged user namespaces work.
-    "c-user-with-user-namespaces": (AS_TEST_USER, False, True, "user-ns"),
+    "c-user-with-user-namespaces": (AS_TEST_USER, False, True, True, "user-ns"),
     # (d) a plain user without them.
-    "d-user-without-user-namespaces": (AS_TEST_USER, True, True, "seccomp"),
+    "d-user-without-user-namespaces": (AS_TEST_USER, True, True, True, "seccomp"),
 }  # fmt: skip
 
 
+@pytest.mark.parametrize("checkout", ["work", "tmp"])
 @pytest.mark.parametrize("name", MODES)
-def test_attacks_in_the_other_modes(name, listener):
+def test_attacks_in_every_mode(name, checkout, checkouts, listener):
     import json
     import subprocess
 
-    setpriv_args, deny_userns, expose, expected_mode = MODES[name]
+    setpriv_args, deny_userns, expose, cgroups, expected_mode = MODES[name]
     missing = [t for t in ("setpriv", "unshare", "useradd") if not shutil.which(t)]
     if os.geteuid() != 0 or missing:
         pytest.skip(f"needs root to build the mode's conditions; missing: {missing or 'root'}")
@@ -495,30 +708,22 @@ def test_attacks_in_the_other_modes(name, listener):
         subprocess.run(
             ["useradd", "--system", "--no-create-home", TEST_USER], capture_output=True, check=False
         )
-    shell = (expose_python_shell() if expose else "set -e") + '\nexec "$@"'
-    child = [sys.executable, os.path.abspath(__file__), "attacks", str(listener.getsockname()[1])]
+    repo = checkouts[checkout]
+    shell = (expose_python_shell(repo) if expose else "set -e") + "\n" + ("" if cgroups else NO_CGROUPS)
+    shell += '\nexec "$@"'
+    child = [sys.executable, f"{repo}/tests/test_sandbox.py", "attacks", str(listener.getsockname()[1])]
     child += ["--deny-user-namespaces"] if deny_userns else []
-    argv = [
-        "unshare",
-        "--mount",
-        "--propagation",
-        "private",
-        "--",
-        "sh",
-        "-c",
-        shell,
-        "sh",
-        "setpriv",
-        *setpriv_args,
-        "--",
-        *child,
-    ]
-    env = {"PATH": os.environ["PATH"], "PYTHONPATH": REPO, "SANDBOX_TEST_SECRET": SECRET}
-    p = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+    argv = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", shell, "sh"]
+    argv += ["setpriv", *setpriv_args, "--", *child]
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": repo, "SANDBOX_TEST_SECRET": SECRET}
+    p = subprocess.run(argv, cwd=repo, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert p.returncode == 0, p.stderr[-3000:]
     report = json.loads(p.stdout.splitlines()[-1])
+    print(name, checkout, json.dumps(report["bombs"]))  # the figures for README (pytest -s)
     assert report["mode"] == expected_mode, report
     assert report["gaps"] == [], report["gaps"]
+    if not cgroups:
+        assert not report["pids_cgroup"], "the child could make a pids cgroup"
     check_attacks(report, listener)
 
 
@@ -595,7 +800,7 @@ def test_eight_memory_creepers_share_one_budget(warm):
 
 
 if __name__ == "__main__" and sys.argv[1] == "attacks":
-    # The child of test_attacks_in_the_other_modes, already under the mode's privileges.
+    # The child of test_attacks_in_every_mode, already under the mode's privileges.
     import json
 
     if "--deny-user-namespaces" in sys.argv:
