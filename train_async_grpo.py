@@ -72,8 +72,11 @@ Choices a reader should know before the code (see loss.py for the loss's own dep
   - Accuracy = share of completions with reward ≥ 1 (the envs give exactly 1.0 for a correct answer).
   - Evaluation (`--eval-every`, evaluate.py) is greedy, at the start (not on resume), every N steps and
     at the last step, while training rollouts keep running.
-  - Resume (checkpoint.py): the row stream goes on just after the last row the trainer took; rows in
-    flight then are not revisited (a few lost, none trained twice).
+  - Resume (checkpoint.py) loses no row: the checkpoint records the rows admitted and not yet trained
+    (generating, queued, or taken by an unfinished step) and the resumed worker admits them first,
+    then the stream goes on where admission stopped (batches.StreamPosition). A group the trainer
+    dropped (--drop-stale, equal rewards) or the worker failed after its retries counts as used, as
+    in an uninterrupted run (a failure in the last 0.2 s before a checkpoint is retried after it).
   - Faults: a server that dies or restarts does not stop the run (`heal`); Ctrl-C and SIGTERM are
     deferred once the servers are up, so the run stops between steps; the run stops (with a checkpoint)
     only if no batch comes within --batch-timeout (`shutdown`).
@@ -97,7 +100,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from batches import BatchTimeout, batch_sequences, collect_groups, row_stream
+from batches import BatchTimeout, StreamPosition, batch_sequences, collect_groups, row_stream
 from chat_format import ChatTemplate
 from checkpoint import latest_checkpoint, resume_from, save_checkpoint
 from distributed import broadcast_message, place_ranks
@@ -301,7 +304,7 @@ class Run:
     world_size: int
     step: int  # optimizer steps taken
     version: int  # weight syncs done: the servers' weight-version tag
-    position: int  # dataset stream position just after the last row taken off the queue
+    position: StreamPosition  # the row stream: rows admitted and not yet trained, where admission stopped
     stop_flag: dict  # {"stop": True} once SIGINT or SIGTERM came: the loop stops between steps
     last_saved: int = 0  # step of the newest checkpoint (or of the resume)
     metrics_file: object = None  # metrics.jsonl, appended to
@@ -315,8 +318,10 @@ class Run:
 
 def save(run: Run) -> Path:
     """A checkpoint of the current step; the other ranks join the gathers of the full state."""
-    state = {"step": run.step, "model_version": run.version, "dataset_position": run.position}
-    state["args"] = vars(run.args)
+    if run.worker is not None:  # failed groups count as used, as in an uninterrupted run
+        run.position.consume(run.worker.stats.failed_rows)
+    state = {"step": run.step, "model_version": run.version, "dataset_position": run.position.frontier}
+    state |= {"pending_rows": sorted(run.position.pending), "args": vars(run.args)}
     broadcast_message({"save": state}, run.world_size)
     return save_checkpoint(run.out_dir, run.model, run.tokenizer, run.optimizer, run.scheduler, state)
 
@@ -391,20 +396,21 @@ def start_rollouts(
     # The worker is built in its own process (the same tokenizer, env and rows) while the start-up eval
     # runs, and admits groups from run.worker.start() on.
     build = functools.partial(
-        rollout_worker, args, ckpt, urls, model_name, rows, run.position, run.version, ENVS[args.env]
-    )
+        rollout_worker, args, ckpt, urls, model_name, rows, run.position.frontier,
+        sorted(run.position.pending), run.version, ENVS[args.env],
+    )  # fmt: skip
     run.worker = RolloutProcess(build, lambda: run.syncer.version, run.version)
     return urls, model_name, fidelity
 
 
 def rollout_worker(
     args: argparse.Namespace, ckpt: Path | None, urls: list[str], model_name: str, rows: list[dict],
-    position: int, version: int, env_module: str, *, expected_version,
+    position: int, pending: list[int], version: int, env_module: str, *, expected_version,
 ) -> AsyncRolloutWorker:  # fmt: skip
     """The rollout worker, built inside the rollout process from what the trainer loaded: the same
-    tokenizer and chat template, the env's episodes with a sandbox of their own, the row stream from
-    the run's position. `env_module` by path: an env registered at run time (bench/heavy_tail_env.py)
-    is not in a fresh process's ENVS."""
+    tokenizer and chat template, the env's episodes with a sandbox of their own, the row stream: the
+    `pending` rows of a resume, then on from `position`. `env_module` by path: an env registered at run
+    time (bench/heavy_tail_env.py) is not in a fresh process's ENVS."""
     verify.DEADLINE_S = args.reward_timeout
     make_episode = episodes_of(importlib.import_module(env_module), args.sandbox_workers)
     _, template = load_tokenizer(args, ckpt, make_episode(rows[0]))
@@ -412,7 +418,7 @@ def rollout_worker(
         urls, model_name, request_timeout_s=args.batch_timeout, expected_version=expected_version
     )
     return AsyncRolloutWorker(
-        client, template, make_episode, row_stream(rows, args.seed, position),
+        client, template, make_episode, row_stream(rows, args.seed, position, pending),
         num_generations=args.num_generations, groups_per_version=args.prompts_per_step * args.sync_every,
         max_staleness=args.max_staleness, max_turns=args.max_turns, max_context=args.max_context,
         max_calls_per_turn=args.max_calls_per_turn, sampling=sampling_of(args).request_fields(),
@@ -572,7 +578,6 @@ def main(argv: list[str] | None = None) -> None:
                 run.worker, args.prompts_per_step, run.version, args, urls, stop_flag,
                 functools.partial(heal, run),
             )  # fmt: skip
-            run.position = max([run.position] + [g.row["_index"] + 1 for g in taken])
 
             # Every rank gets the batch and trains on its share of it (train_step).
             t_train = time.monotonic()
@@ -584,13 +589,19 @@ def main(argv: list[str] | None = None) -> None:
                 model, ref_model, optimizer, scheduler, seqs, args, rank, world_size, device, traced
             )
             run.step += 1
+            run.position.consume(g.row["_index"] for g in taken)  # trained, or dropped as a whole run would
             train_s = time.monotonic() - t_train
             sync = sync_if_due(run)
 
             # Metrics: one dict per step.
             now = time.monotonic()
             step_s, t_last = now - t_last, now
-            metrics = {"step": run.step, "model_version": run.version, "dataset_position": run.position}
+            metrics = {
+                "step": run.step,
+                "model_version": run.version,
+                "dataset_position": run.position.frontier,
+                "dataset_pending": len(run.position.pending),  # rows a resume admits first
+            }
             metrics.update(rollout_metrics(groups, dropped, skipped, taken, version_trained))
             metrics.update(train | sync | fidelity)  # fidelity: the start-up probe's gaps, first line only
             request_s, request_s_last, fidelity = run.worker.stats.request_seconds, request_s, {}
@@ -604,7 +615,8 @@ def main(argv: list[str] | None = None) -> None:
                 metrics.update(asyncio.run(evaluate(*eval_args)))
                 metrics["perf/eval_s"] = time.monotonic() - t_eval
                 t_last += metrics["perf/eval_s"]  # eval time is not the next step's
-            log_step(run, metrics, sandbox_mode, groups, logged, traced)  # sandbox_mode: first line only
+            trained_rows = {"trained_rows": [g.row["_index"] for g in groups]}  # stream indices
+            log_step(run, metrics, sandbox_mode | trained_rows, groups, logged, traced)  # sandbox_mode: once
             sandbox_mode = {}
             if run.step % args.save_every == 0:
                 save(run)
