@@ -121,7 +121,7 @@ from rollout import AsyncRolloutWorker, VLLMClient
 from rollout_process import RolloutProcess
 from sampling import FidelityError, probe_fidelity
 from trainer import follow_rank0, load_models, load_tokenizer, sampling_of, sync_weights, train_step
-from vllm_server import relaunch_exited, served_model_name, write_servers_file
+from vllm_server import healthy, relaunch_exited, served_model_name, write_servers_file
 
 # fmt: off
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -234,21 +234,85 @@ def check_args(args: argparse.Namespace) -> None:
         parser.error(
             f"--num-generations must be ≥ 2 (group advantages need a group), got {args.num_generations}"
         )
-    for name in ["dataset", "eval_dataset", "chat_template"]:
+    for name in ["dataset", "eval_dataset"] if args.eval_every else ["dataset"]:
         path = getattr(args, name)
-        if path and path.endswith((".jsonl", ".parquet", ".jinja")) and not os.path.exists(path):
+        if path.endswith((".jsonl", ".parquet")) and not os.path.isfile(path):
             parser.error(f"--{name.replace('_', '-')}: {path} does not exist")
-    if not os.path.exists(args.model) and "/" not in args.model:
-        parser.error(f"--model: {args.model} is neither a directory nor a hub name")
+        if os.path.exists(path) and not path.endswith((".jsonl", ".parquet")):
+            parser.error(
+                f"--{name.replace('_', '-')}: {path} is not a .jsonl or .parquet file (nor a Hugging Face "
+                "dataset name)"
+            )
+    if args.chat_template and not os.path.isfile(args.chat_template):
+        parser.error(f"--chat-template: {args.chat_template} does not exist (a jinja file)")
+    check_model(args.model)
     if args.resume not in (None, "latest") and not os.path.isdir(args.resume):
         parser.error(f"--resume: {args.resume} is not a checkpoint directory")
-    if args.vllm_url:
-        for u in args.vllm_url:
-            if not u.startswith(("http://", "https://")):
-                parser.error(f"--vllm-url must start with http:// or https://, got {u}")
+    for u in args.vllm_url or []:
+        if not u.startswith(("http://", "https://")):
+            parser.error(f"--vllm-url must start with http:// or https://, got {u}")
+        if not healthy(u.rstrip("/")):
+            parser.error(
+                f"--vllm-url: no vLLM server answers at {u}: start one first (`make serve`, vllm_server.py) "
+                "and wait until it is up, or leave out --vllm-url to launch one"
+            )
+    out_dir = Path(args.output_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--output-dir: cannot create {out_dir} ({e.strerror}); choose another directory")
+    if not os.access(out_dir, os.W_OK):
+        parser.error(f"--output-dir: {out_dir} is not writable; choose another directory")
+
+
+def check_model(model: str) -> None:
+    """--model: a directory holding a model, or a hub name that is in the local cache or, with a network,
+    on the hub (from_pretrained would download it). Anything else is one line, not a traceback from
+    deep inside transformers."""
+    if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            parser.error(f"--model: {model} has no config.json (a directory written by save_pretrained)")
+        return
+    from huggingface_hub import HfApi, constants, try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
+
+    try:
+        cached = try_to_load_from_cache(model, "config.json")
+    except HFValidationError:
+        parser.error(
+            f"--model: {model} does not exist (a model directory, or a hub name like Qwen/Qwen3-0.6B)"
+        )
+    if isinstance(cached, str):
+        return
+    where = f"no directory {model}, and it is not in the Hugging Face cache ({constants.HF_HUB_CACHE})"
+    if constants.HF_HUB_OFFLINE:
+        parser.error(f"--model: {where}; HF_HUB_OFFLINE is set: download it first (`hf download {model}`)")
+    try:
+        HfApi().model_info(model, timeout=10)
+    except RepositoryNotFoundError:
+        parser.error(f"--model: {where} nor on the hub (private? `hf auth login` first)")
+    except Exception as e:  # no network: the client's own error type varies with the transport
+        parser.error(
+            f"--model: {where}, and the hub cannot be reached ({e}): download it where there is a network"
+        )
 
 
 # SET-UP STEPS: each reads the arguments it names and returns what the run holds -----------------------------
+def load_datasets(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
+    """The training rows and (with --eval-every) the held-out ones; a dataset that cannot be read, has no
+    rows or a bad row ends the run here in one line, before any server or model starts."""
+
+    def load(flag: str, path: str, split: str) -> list[dict]:
+        try:
+            return load_rows(path, split)
+        except (ValueError, OSError) as e:  # not JSON lines, no rows, a bad row; a hub dataset not found
+            sys.exit(f"{flag} {path}: {e}")
+
+    rows = load("--dataset", args.dataset, "train")
+    eval_rows = load("--eval-dataset", args.eval_dataset, "test") if args.eval_every else []
+    return rows, eval_rows[: args.eval_limit]
+
+
 def checkpoint_to_resume(resume: str | None, out_dir: Path) -> Path | None:
     """--resume: the checkpoint it names, or (no value) the latest in --output-dir; None without it."""
     if resume is None:
@@ -521,8 +585,8 @@ def main(argv: list[str] | None = None) -> None:
     check_args(args)
 
     # SET-UP ------------------------------------------------------------------------------------------
-    out_dir = Path(args.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = Path(args.output_dir)  # made by check_args
+    rows, eval_rows = load_datasets(args)
     ckpt = checkpoint_to_resume(args.resume, out_dir)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -537,8 +601,6 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(e))
     # sandbox_mode: the sandbox/ keys of the first step's metrics line
     make_episode, sandbox_mode = episode_maker(args.env, args.sandbox_workers, args.unsafe_sandbox, rank)
-    rows = load_rows(args.dataset)
-    eval_rows = load_rows(args.eval_dataset, split="test")[: args.eval_limit] if args.eval_every else []
     tokenizer, template = load_tokenizer(args, ckpt, make_episode(rows[0]))
     model, ref_model, ckpt_checksum = load_models(args, ckpt, device, world_size)
     optimizer, scheduler = make_optimizer(model, args)

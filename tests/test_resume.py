@@ -75,14 +75,15 @@ def _dataset(path: Path) -> None:
 
 def _trainer(url: str, data: Path, out: Path, staleness: int, *extra: str) -> list[str]:
     # lr 0: every run samples from the same weights (each request is seeded by its row, completion and
-    # turn), so a row's completions, and their lengths, are the same whichever run generates them.
+    # turn), so a row's completions, and their lengths, are the same whichever run generates them. The
+    # default 8 tool slots: the slow groups' 6 calls hold theirs through their round trips.
     return [
         sys.executable, str(REPO / "bench" / "heavy_tail_env.py"), "--model", str(MODEL),
         "--env", "heavy_tail", "--dataset", str(data), "--vllm-url", url, "--output-dir", str(out),
         "--max-steps", str(STEPS),
         "--prompts-per-step", str(P), "--num-generations", str(G), "--max-staleness", str(staleness),
         "--max-turns", "2", "--max-context", "768", "--lr", "0", "--keep-zero-variance", "--save-every", "1",
-        "--log-completions-every", "1", "--sandbox-workers", "2", "--batch-timeout", "300", "--seed", "0",
+        "--log-completions-every", "1", "--batch-timeout", "300", "--seed", "0",
         *extra,
     ]  # fmt: skip
 
