@@ -251,11 +251,6 @@ def check_args(args: argparse.Namespace) -> None:
     for u in args.vllm_url or []:
         if not u.startswith(("http://", "https://")):
             parser.error(f"--vllm-url must start with http:// or https://, got {u}")
-        if not healthy(u.rstrip("/")):
-            parser.error(
-                f"--vllm-url: no vLLM server answers at {u}: start one first (`make serve`, vllm_server.py) "
-                "and wait until it is up, or leave out --vllm-url to launch one"
-            )
     out_dir = Path(args.output_dir)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -601,6 +596,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(e))
     # sandbox_mode: the sandbox/ keys of the first step's metrics line
     make_episode, sandbox_mode = episode_maker(args.env, args.sandbox_workers, args.unsafe_sandbox, rank)
+    for u in args.vllm_url or []:  # after the sandbox's verdict, before the model loads
+        if not healthy(u.rstrip("/")):
+            parser.error(
+                f"--vllm-url: no vLLM server answers at {u}: start one first (`make serve`, vllm_server.py) "
+                "and wait until it is up, or leave out --vllm-url to launch one"
+            )
     tokenizer, template = load_tokenizer(args, ckpt, make_episode(rows[0]))
     model, ref_model, ckpt_checksum = load_models(args, ckpt, device, world_size)
     optimizer, scheduler = make_optimizer(model, args)
