@@ -1,6 +1,6 @@
-"""The data side of a step: the endless row stream the rollout worker reads, the groups a step takes off
-the worker's queue (and why none came, when none did), and their sequences packed into padding-free
-micro-batches for the forward pass.
+"""The data side of a step: the endless row stream the rollout worker reads (and where a resume picks it
+up: StreamPosition), the groups a step takes off the worker's queue (and why none came, when none did),
+and their sequences packed into padding-free micro-batches for the forward pass.
 
 Packing: every micro-batch is ONE row of concatenated sequences (no padding) whose position_ids restart
 at 0 for each sequence. With `use_cache=False` and no attention_mask, transformers (≥ 4.54) detects the
