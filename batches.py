@@ -1,6 +1,7 @@
-"""The data side of a step: the endless row stream the rollout worker reads, the groups a step takes off
-the worker's queue (and why none came, when none did), their sequences packed into padding-free
-micro-batches for the forward pass, and the attention that keeps packed sequences apart.
+"""The data side of a step: the endless row stream the rollout worker reads (and where a resume picks it
+up: StreamPosition), the groups a step takes off the worker's queue (and why none came, when none did),
+their sequences packed into padding-free micro-batches for the forward pass, and the attention that
+keeps packed sequences apart.
 
 Packing: every micro-batch is ONE row of concatenated sequences (no padding) whose position_ids restart
 at 0 for each sequence. Left to itself, transformers (≥ 4.54) detects the restarts and builds a dense
@@ -15,6 +16,7 @@ against one-sequence-at-a-time forwards.
 
 import random
 import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -26,17 +28,48 @@ from vllm_server import healthy
 # ---------------------------------------------------------------------------------------------------
 # DATA: an endless shuffled stream of rows that can start anywhere
 # ---------------------------------------------------------------------------------------------------
-def row_stream(rows: list[dict], seed: int, start: int = 0):
+def row_stream(rows: list[dict], seed: int, start: int = 0, pending: list[int] = ()):
     """Row i of the stream is rows[perm_e[i % N]] with e = i // N and perm_e a seeded permutation per
-    epoch. Each row carries `_index` = its stream position (the checkpoint's dataset position)."""
-    n, i = len(rows), start
+    epoch. Each row carries `_index` = its stream position. A resumed run gives first the rows of
+    `pending` (admitted before the checkpoint, never trained: StreamPosition), then i = start, start + 1, …"""
+    n = len(rows)
+    for i in pending:
+        yield {**rows[_permutation(n, seed, i // n)[i % n]], "_index": i}
+    i = start
     while True:
-        epoch = i // n
-        perm = list(range(n))
-        random.Random(seed * 1_000_003 + epoch).shuffle(perm)
+        epoch, perm = i // n, _permutation(n, seed, i // n)
         for j in range(i % n, n):
             yield {**rows[perm[j]], "_index": epoch * n + j}
         i = (epoch + 1) * n
+
+
+def _permutation(n: int, seed: int, epoch: int) -> list[int]:
+    perm = list(range(n))
+    random.Random(seed * 1_000_003 + epoch).shuffle(perm)
+    return perm
+
+
+@dataclass
+class StreamPosition:
+    """Where a resumed run picks the row stream up. The worker admits rows in stream order, so every
+    index below the highest one the trainer has consumed was admitted: `frontier` is that index + 1, and
+    `pending` the indices below it that were not consumed (still generating, queued, or taken by a step
+    that did not finish). Consumed = taken off the queue by a finished step (trained, or dropped as
+    stale or equal-reward, as an uninterrupted run drops it) or failed by the worker after its retries.
+    A resume admits `pending` first, then the stream from `frontier`; admitted rows at or above the
+    frontier are generated again from the stream. So no row is trained twice and none is skipped."""
+
+    frontier: int = 0
+    pending: set[int] = field(default_factory=set)
+
+    def consume(self, indices) -> None:
+        """Idempotent: an index consumed again changes nothing."""
+        for i in indices:
+            if i >= self.frontier:
+                self.pending.update(range(self.frontier, i))
+                self.frontier = i + 1
+            else:
+                self.pending.discard(i)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,14 +1,16 @@
 """The checkpoint format: <output_dir>/checkpoints/step_NNNNNN/ holds the model in save_pretrained form
 (with the tokenizer) and trainer_state.pt (optimizer state keyed by parameter name, scheduler, RNG
-states, step, model version, dataset position, the run's arguments). The same files whatever the number
-of ranks. Written to a temp dir and renamed, so a kill -9 leaves either the old or the new one.
+states, step, model version, the row stream's position, the run's arguments). The same files whatever
+the number of ranks. Written to a temp dir and renamed, so a kill -9 leaves either the old or the new one.
 
-Resume: rows are shuffled with the seed (a new permutation each epoch) and read as one endless stream;
-the checkpoint stores the stream position just after the last row whose group the trainer took off the
-queue. Rows still in flight at that moment and before it are not revisited (a few rows lost, none
-trained twice). The rollout worker starts at the resumed version. metrics.jsonl is appended to, so
-steps a killed run logged after its last checkpoint appear twice; scripts/plot_metrics.py keeps the
-last line per step.
+Resume loses no row: rows are shuffled with the seed (a new permutation each epoch) and read as one
+endless stream, and the checkpoint stores `dataset_position` (the frontier: just after the highest
+stream index consumed) and `pending_rows` (the indices below it admitted but not trained when it was
+written: still generating, queued, or taken by an unfinished step). The resumed worker admits those
+first, then the stream from the frontier (batches.StreamPosition says what counts as consumed), so
+every row is trained once: the slow, multi-turn groups in flight at a kill too. The rollout worker starts
+at the resumed version. metrics.jsonl is appended to, so steps a killed run logged after its last
+checkpoint appear twice; scripts/plot_metrics.py keeps the last line per step.
 """
 
 import os
@@ -24,6 +26,8 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+
+from batches import StreamPosition
 
 
 def save_checkpoint(
@@ -73,8 +77,8 @@ def param_checksum(named_tensors) -> float:
 
 def load_checkpoint(ckpt: Path, model, optimizer, scheduler, rank: int = 0, world_size: int = 1):
     """Restore the optimizer, scheduler and RNG states of `ckpt` (the model is loaded from it with
-    from_pretrained); returns (step, model version, dataset position). Under FSDP rank 0's copy of the
-    optimizer state is scattered into the shards."""
+    from_pretrained); returns (step, model version, stream frontier, pending row indices). Under FSDP
+    rank 0's copy of the optimizer state is scattered into the shards."""
     state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
     if world_size > 1:  # rank 0's copy, scattered into the shards
         set_optimizer_state_dict(
@@ -88,20 +92,21 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler, rank: int = 0, worl
     random.setstate(state["rng"]["python"])
     if torch.cuda.is_available() and "cuda" in state["rng"]:
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-    return state["step"], state["model_version"], state["dataset_position"]
+    return state["step"], state["model_version"], state["dataset_position"], state.get("pending_rows", [])
 
 
 def resume_from(
     ckpt: Path | None, model, optimizer, scheduler, rank: int, world_size: int, loaded_checksum: float | None
-) -> tuple[int, int, int]:
-    """(step, model version, dataset position): (0, 0, 0) for a fresh run, else `ckpt`'s
-    (load_checkpoint), printed with the checksum of the weights loaded from it."""
+) -> tuple[int, int, StreamPosition]:
+    """(step, model version, row stream position): (0, 0, the stream's start) for a fresh run, else
+    `ckpt`'s (load_checkpoint), printed with the checksum of the weights loaded from it."""
     if ckpt is None:
-        return 0, 0, 0
-    step, version, position = load_checkpoint(ckpt, model, optimizer, scheduler, rank, world_size)
+        return 0, 0, StreamPosition()
+    step, version, frontier, pending = load_checkpoint(ckpt, model, optimizer, scheduler, rank, world_size)
     print(
-        f"resumed from {ckpt} at step {step}, model version {version}, dataset position {position} "
+        f"resumed from {ckpt} at step {step}, model version {version}, dataset position {frontier} "
+        f"with {len(pending)} rows admitted before it to train first "
         f"(param checksum {loaded_checksum!r})",
         flush=True,
     )
-    return step, version, position
+    return step, version, StreamPosition(frontier, set(pending))

@@ -382,6 +382,7 @@ class WorkerStats:
     groups_done: int = 0
     groups_retried: int = 0
     groups_failed: int = 0
+    failed_rows: list[int] = field(default_factory=list)  # stream indices of the failed groups (resume)
     groups_discarded: int = 0  # reported back by the trainer (stale or zero-variance)
     request_seconds: float = 0.0  # ∫ requests in flight dt; its change over a span / the span = mean
     last_error: str = ""
@@ -574,6 +575,7 @@ class AsyncRolloutWorker:
                     self.stats.groups_retried += 1
                     logger.warning("group failed (attempt %d), retrying: %s", attempt + 1, msg)
         self.stats.groups_failed += 1
+        self.stats.failed_rows.append(row["_index"])
         logger.warning("group dropped after %d attempts: %s", self.group_retries + 1, self.stats.last_error)
         return None
 

@@ -73,8 +73,11 @@ Choices a reader should know before the code (see loss.py for the loss's own dep
   - Accuracy = share of completions with reward ≥ 1 (the envs give exactly 1.0 for a correct answer).
   - Evaluation (`--eval-every`, evaluate.py) is greedy, at the start (not on resume), every N steps and
     at the last step, while training rollouts keep running.
-  - Resume (checkpoint.py): the row stream goes on just after the last row the trainer took; rows in
-    flight then are not revisited (a few lost, none trained twice).
+  - Resume (checkpoint.py) loses no row: the checkpoint records the rows admitted and not yet trained
+    (generating, queued, or taken by an unfinished step) and the resumed worker admits them first,
+    then the stream goes on where admission stopped (batches.StreamPosition). A group the trainer
+    dropped (--drop-stale, equal rewards) or the worker failed after its retries counts as used, as
+    in an uninterrupted run (a failure in the last 0.2 s before a checkpoint is retried after it).
   - Faults: a server that dies or restarts does not stop the run (`heal`); Ctrl-C and SIGTERM are
     deferred once the servers are up, so the run stops between steps; the run stops (with a checkpoint)
     only if no batch comes within --batch-timeout (`shutdown`).
@@ -98,7 +101,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from batches import BatchTimeout, batch_sequences, collect_groups, row_stream
+from batches import BatchTimeout, StreamPosition, batch_sequences, collect_groups, row_stream
 from chat_format import ChatTemplate
 from checkpoint import latest_checkpoint, resume_from, save_checkpoint
 from distributed import broadcast_message, place_ranks
@@ -119,7 +122,7 @@ from rollout import AsyncRolloutWorker, VLLMClient
 from rollout_process import RolloutProcess
 from sampling import FidelityError, probe_fidelity
 from trainer import follow_rank0, load_models, load_tokenizer, sampling_of, sync_weights, train_step
-from vllm_server import relaunch_exited, served_model_name, write_servers_file
+from vllm_server import healthy, relaunch_exited, served_model_name, write_servers_file
 
 # fmt: off
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -232,21 +235,80 @@ def check_args(args: argparse.Namespace) -> None:
         parser.error(
             f"--num-generations must be ≥ 2 (group advantages need a group), got {args.num_generations}"
         )
-    for name in ["dataset", "eval_dataset", "chat_template"]:
+    for name in ["dataset", "eval_dataset"] if args.eval_every else ["dataset"]:
         path = getattr(args, name)
-        if path and path.endswith((".jsonl", ".parquet", ".jinja")) and not os.path.exists(path):
+        if path.endswith((".jsonl", ".parquet")) and not os.path.isfile(path):
             parser.error(f"--{name.replace('_', '-')}: {path} does not exist")
-    if not os.path.exists(args.model) and "/" not in args.model:
-        parser.error(f"--model: {args.model} is neither a directory nor a hub name")
+        if os.path.exists(path) and not path.endswith((".jsonl", ".parquet")):
+            parser.error(
+                f"--{name.replace('_', '-')}: {path} is not a .jsonl or .parquet file (nor a Hugging Face "
+                "dataset name)"
+            )
+    if args.chat_template and not os.path.isfile(args.chat_template):
+        parser.error(f"--chat-template: {args.chat_template} does not exist (a jinja file)")
+    check_model(args.model)
     if args.resume not in (None, "latest") and not os.path.isdir(args.resume):
         parser.error(f"--resume: {args.resume} is not a checkpoint directory")
-    if args.vllm_url:
-        for u in args.vllm_url:
-            if not u.startswith(("http://", "https://")):
-                parser.error(f"--vllm-url must start with http:// or https://, got {u}")
+    for u in args.vllm_url or []:
+        if not u.startswith(("http://", "https://")):
+            parser.error(f"--vllm-url must start with http:// or https://, got {u}")
+    out_dir = Path(args.output_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--output-dir: cannot create {out_dir} ({e.strerror}); choose another directory")
+    if not os.access(out_dir, os.W_OK):
+        parser.error(f"--output-dir: {out_dir} is not writable; choose another directory")
+
+
+def check_model(model: str) -> None:
+    """--model: a directory holding a model, or a hub name that is in the local cache or, with a network,
+    on the hub (from_pretrained would download it). Anything else is one line, not a traceback from
+    deep inside transformers."""
+    if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            parser.error(f"--model: {model} has no config.json (a directory written by save_pretrained)")
+        return
+    from huggingface_hub import HfApi, constants, try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
+
+    try:
+        cached = try_to_load_from_cache(model, "config.json")
+    except HFValidationError:
+        parser.error(
+            f"--model: {model} does not exist (a model directory, or a hub name like Qwen/Qwen3-0.6B)"
+        )
+    if isinstance(cached, str):
+        return
+    where = f"no directory {model}, and it is not in the Hugging Face cache ({constants.HF_HUB_CACHE})"
+    if constants.HF_HUB_OFFLINE:
+        parser.error(f"--model: {where}; HF_HUB_OFFLINE is set: download it first (`hf download {model}`)")
+    try:
+        HfApi().model_info(model, timeout=10)
+    except RepositoryNotFoundError:
+        parser.error(f"--model: {where} nor on the hub (private? `hf auth login` first)")
+    except Exception as e:  # no network: the client's own error type varies with the transport
+        parser.error(
+            f"--model: {where}, and the hub cannot be reached ({e}): download it where there is a network"
+        )
 
 
 # SET-UP STEPS: each reads the arguments it names and returns what the run holds -----------------------------
+def load_datasets(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
+    """The training rows and (with --eval-every) the held-out ones; a dataset that cannot be read, has no
+    rows or a bad row ends the run here in one line, before any server or model starts."""
+
+    def load(flag: str, path: str, split: str) -> list[dict]:
+        try:
+            return load_rows(path, split)
+        except (ValueError, OSError) as e:  # not JSON lines, no rows, a bad row; a hub dataset not found
+            sys.exit(f"{flag} {path}: {e}")
+
+    rows = load("--dataset", args.dataset, "train")
+    eval_rows = load("--eval-dataset", args.eval_dataset, "test") if args.eval_every else []
+    return rows, eval_rows[: args.eval_limit]
+
+
 def checkpoint_to_resume(resume: str | None, out_dir: Path) -> Path | None:
     """--resume: the checkpoint it names, or (no value) the latest in --output-dir; None without it."""
     if resume is None:
@@ -302,7 +364,7 @@ class Run:
     world_size: int
     step: int  # optimizer steps taken
     version: int  # weight syncs done: the servers' weight-version tag
-    position: int  # dataset stream position just after the last row taken off the queue
+    position: StreamPosition  # the row stream: rows admitted and not yet trained, where admission stopped
     stop_flag: dict  # {"stop": True} once SIGINT or SIGTERM came: the loop stops between steps
     last_saved: int = 0  # step of the newest checkpoint (or of the resume)
     metrics_file: object = None  # metrics.jsonl, appended to
@@ -316,8 +378,10 @@ class Run:
 
 def save(run: Run) -> Path:
     """A checkpoint of the current step; the other ranks join the gathers of the full state."""
-    state = {"step": run.step, "model_version": run.version, "dataset_position": run.position}
-    state["args"] = vars(run.args)
+    if run.worker is not None:  # failed groups count as used, as in an uninterrupted run
+        run.position.consume(run.worker.stats.failed_rows)
+    state = {"step": run.step, "model_version": run.version, "dataset_position": run.position.frontier}
+    state |= {"pending_rows": sorted(run.position.pending), "args": vars(run.args)}
     broadcast_message({"save": state}, run.world_size)
     return save_checkpoint(run.out_dir, run.model, run.tokenizer, run.optimizer, run.scheduler, state)
 
@@ -392,20 +456,21 @@ def start_rollouts(
     # The worker is built in its own process (the same tokenizer, env and rows) while the start-up eval
     # runs, and admits groups from run.worker.start() on.
     build = functools.partial(
-        rollout_worker, args, ckpt, urls, model_name, rows, run.position, run.version, ENVS[args.env]
-    )
+        rollout_worker, args, ckpt, urls, model_name, rows, run.position.frontier,
+        sorted(run.position.pending), run.version, ENVS[args.env],
+    )  # fmt: skip
     run.worker = RolloutProcess(build, lambda: run.syncer.version, run.version)
     return urls, model_name, fidelity
 
 
 def rollout_worker(
     args: argparse.Namespace, ckpt: Path | None, urls: list[str], model_name: str, rows: list[dict],
-    position: int, version: int, env_module: str, *, expected_version,
+    position: int, pending: list[int], version: int, env_module: str, *, expected_version,
 ) -> AsyncRolloutWorker:  # fmt: skip
     """The rollout worker, built inside the rollout process from what the trainer loaded: the same
-    tokenizer and chat template, the env's episodes with a sandbox of their own, the row stream from
-    the run's position. `env_module` by path: an env registered at run time (bench/heavy_tail_env.py)
-    is not in a fresh process's ENVS."""
+    tokenizer and chat template, the env's episodes with a sandbox of their own, the row stream: the
+    `pending` rows of a resume, then on from `position`. `env_module` by path: an env registered at run
+    time (bench/heavy_tail_env.py) is not in a fresh process's ENVS."""
     verify.DEADLINE_S = args.reward_timeout
     make_episode = episodes_of(importlib.import_module(env_module), args.sandbox_workers)
     _, template = load_tokenizer(args, ckpt, make_episode(rows[0]))
@@ -413,7 +478,7 @@ def rollout_worker(
         urls, model_name, request_timeout_s=args.batch_timeout, expected_version=expected_version
     )
     return AsyncRolloutWorker(
-        client, template, make_episode, row_stream(rows, args.seed, position),
+        client, template, make_episode, row_stream(rows, args.seed, position, pending),
         num_generations=args.num_generations, groups_per_version=args.prompts_per_step * args.sync_every,
         max_staleness=args.max_staleness, max_turns=args.max_turns, max_context=args.max_context,
         max_calls_per_turn=args.max_calls_per_turn, sampling=sampling_of(args).request_fields(),
@@ -516,8 +581,8 @@ def main(argv: list[str] | None = None) -> None:
     check_args(args)
 
     # SET-UP ------------------------------------------------------------------------------------------
-    out_dir = Path(args.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = Path(args.output_dir)  # made by check_args
+    rows, eval_rows = load_datasets(args)
     ckpt = checkpoint_to_resume(args.resume, out_dir)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -532,8 +597,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(e))
     # sandbox_mode: the sandbox/ keys of the first step's metrics line
     make_episode, sandbox_mode = episode_maker(args.env, args.sandbox_workers, args.unsafe_sandbox, rank)
-    rows = load_rows(args.dataset)
-    eval_rows = load_rows(args.eval_dataset, split="test")[: args.eval_limit] if args.eval_every else []
+    for u in args.vllm_url or []:  # after the sandbox's verdict, before the model loads
+        if not healthy(u.rstrip("/")):
+            parser.error(
+                f"--vllm-url: no vLLM server answers at {u}: start one first (`make serve`, vllm_server.py) "
+                "and wait until it is up, or leave out --vllm-url to launch one"
+            )
     tokenizer, template = load_tokenizer(args, ckpt, make_episode(rows[0]))
     model, ref_model, ckpt_checksum = load_models(args, ckpt, device, world_size)
     optimizer, scheduler = make_optimizer(model, args)
@@ -573,7 +642,6 @@ def main(argv: list[str] | None = None) -> None:
                 run.worker, args.prompts_per_step, run.version, args, urls, stop_flag,
                 functools.partial(heal, run),
             )  # fmt: skip
-            run.position = max([run.position] + [g.row["_index"] + 1 for g in taken])
 
             # Every rank gets the batch and trains on its share of it (train_step).
             t_train = time.monotonic()
@@ -585,13 +653,19 @@ def main(argv: list[str] | None = None) -> None:
                 model, ref_model, optimizer, scheduler, seqs, args, rank, world_size, device, traced
             )
             run.step += 1
+            run.position.consume(g.row["_index"] for g in taken)  # trained, or dropped as a whole run would
             train_s = time.monotonic() - t_train
             sync = sync_if_due(run)
 
             # Metrics: one dict per step.
             now = time.monotonic()
             step_s, t_last = now - t_last, now
-            metrics = {"step": run.step, "model_version": run.version, "dataset_position": run.position}
+            metrics = {
+                "step": run.step,
+                "model_version": run.version,
+                "dataset_position": run.position.frontier,
+                "dataset_pending": len(run.position.pending),  # rows a resume admits first
+            }
             metrics.update(rollout_metrics(groups, dropped, skipped, taken, version_trained))
             metrics.update(train | sync | fidelity)  # fidelity: the start-up probe's gaps, first line only
             request_s, request_s_last, fidelity = run.worker.stats.request_seconds, request_s, {}
@@ -605,7 +679,8 @@ def main(argv: list[str] | None = None) -> None:
                 metrics.update(asyncio.run(evaluate(*eval_args)))
                 metrics["perf/eval_s"] = time.monotonic() - t_eval
                 t_last += metrics["perf/eval_s"]  # eval time is not the next step's
-            log_step(run, metrics, sandbox_mode, groups, logged, traced)  # sandbox_mode: first line only
+            trained_rows = {"trained_rows": [g.row["_index"] for g in groups]}  # stream indices
+            log_step(run, metrics, sandbox_mode | trained_rows, groups, logged, traced)  # sandbox_mode: once
             sandbox_mode = {}
             if run.step % args.save_every == 0:
                 save(run)

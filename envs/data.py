@@ -5,8 +5,9 @@ Column mapping, first match wins (other columns are kept as they are):
   gives its last user message's content.
 - answer <- `answer`, `solution`, `reward_model["ground_truth"]` (DAPO-Math-17k); an answer containing
   `####` (GSM8K) gives the text after the last `####`, with thousands separators removed.
-Any row without a question or an answer raises ValueError naming the row index and the field, so a bad
-dataset fails before training starts.
+A file that is not JSON lines, has no rows, or has a row without a question or an answer raises
+ValueError naming the line or row index and the field, so a bad dataset fails before training
+starts (in one line: train_async_grpo.load_datasets).
 """
 
 import json
@@ -53,8 +54,13 @@ def normalize_rows(raw: list[dict]) -> list[dict]:
 def load_rows(path_or_name: str, split: str = "train") -> list[dict]:
     """Rows from a local .jsonl / .parquet file, or a Hugging Face dataset name (its `split`)."""
     if path_or_name.endswith(".jsonl"):
+        raw = []
         with open(path_or_name) as f:
-            raw = [json.loads(line) for line in f if line.strip()]
+            for n, line in enumerate(f, 1):
+                try:
+                    raw += [json.loads(line)] if line.strip() else []
+                except ValueError as e:
+                    raise ValueError(f"line {n}: not JSON ({e})") from None
     elif path_or_name.endswith(".parquet"):
         import pyarrow.parquet as pq
 
@@ -65,4 +71,6 @@ def load_rows(path_or_name: str, split: str = "train") -> list[dict]:
         import datasets
 
         raw = list(datasets.load_dataset(path_or_name, split=split))
+    if not raw:
+        raise ValueError("no rows")
     return normalize_rows(raw)

@@ -784,6 +784,8 @@ def test_failing_group_is_dropped_not_fatal(tokenizer):
         worker.stop()
         asyncio.run_coroutine_threadsafe(fake.stop(), loop).result(5)
     assert worker.stats.groups_failed >= 2 and "no matching logprobs" in worker.stats.last_error
+    # their rows, for the checkpoint: a failed group counts as used (batches.StreamPosition)
+    assert len(set(worker.stats.failed_rows)) == worker.stats.groups_failed
     assert not worker.alive  # stopped by us, not crashed: stop() joined it
 
 

@@ -181,23 +181,6 @@ def test_row_stream_resumes_where_it_left_off():
     assert [next(resumed) for _ in range(6)] == first[7:13]
 
 
-def test_bad_arguments_fail_before_anything_starts(capsys, tiny_model):
-    for argv, name in [
-        (["--max-steps", "0"], "--max-steps"),
-        (["--temperature", "0"], "--temperature"),
-        (["--dataset", "nope.jsonl"], "--dataset"),
-        (["--vllm-url", "localhost:8000"], "--vllm-url"),
-        (["--num-generations", "1"], "--num-generations"),
-        (["--mini-batches", "0"], "--mini-batches"),
-        (["--mini-batches", "65"], "--mini-batches 65 exceeds the 64 sequences"),
-        (["--rollout-cpus", "x"], "--rollout-cpus: 'x' is not a CPU list"),
-        (["--rollout-cpus", "4096"], "--rollout-cpus: CPU 4096 does not exist"),
-    ]:
-        with pytest.raises(SystemExit):
-            T.main(["--model", str(tiny_model), *argv])
-        assert name in capsys.readouterr().err
-
-
 def test_lr_schedule():
     assert T.lr_lambda(0, 4, 10, "constant") == pytest.approx(0.2)
     assert T.lr_lambda(4, 4, 10, "constant") == 1.0
@@ -300,10 +283,14 @@ def test_end_to_end_kill_and_resume(tmp_path):
     assert checksum == pytest.approx(_checksum(ckpt2), rel=1e-12)
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["step"] == 3 and last["model_version"] == 3
-    # No row trained before the checkpoint is generated again.
+    # No row trained before the checkpoint is generated again: each is at or after its frontier, or one
+    # it had admitted and not trained (tests/test_resume.py checks every row over a kill).
     step3 = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
     step3 = [x for x in step3 if x["step"] == 3][-2:]
-    assert step3 and all(x["row_index"] >= state["dataset_position"] for x in step3)
+    untrained = set(state["pending_rows"])
+    assert step3 and all(
+        x["row_index"] >= state["dataset_position"] or x["row_index"] in untrained for x in step3
+    )
     assert (out / "checkpoints" / "step_000003" / "model.safetensors").exists()
 
 
