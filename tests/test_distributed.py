@@ -2,13 +2,18 @@
 count mocked, the launch recorded instead of run), resume under FSDP on 2 gloo ranks (memory of the rank
 that does not read the file), and the other ranks' wait for rank 0's next message."""
 
+import json
+import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import vllm_server
-from distributed import plan_devices
+from checkpoint import load_checkpoint, save_checkpoint
+from distributed import init_distributed, plan_devices, shard_model
 
 
 @pytest.fixture
@@ -83,3 +88,96 @@ def test_the_start_up_probe_uses_the_bf16_bound_when_either_side_is_bf16(
     template = SimpleNamespace(prompt_ids=lambda messages: [1, 2])
     T.start_rollouts(run, ["0"], template, lambda row: SimpleNamespace(messages=[]), [{}], "cpu", None)
     assert probed == [bf16_bound]
+
+
+# ---------------------------------------------------------------------------------------------------
+# RESUME UNDER FSDP: only rank 0 reads trainer_state.pt
+# ---------------------------------------------------------------------------------------------------
+def _wide_model(tiny_model: Path) -> torch.nn.Module:
+    """The tiny model's architecture, wide enough that its AdamW state (~125 MB) stands far above a
+    process's memory noise."""
+    config = AutoConfig.from_pretrained(tiny_model)
+    config.hidden_size, config.intermediate_size, config.num_hidden_layers = 512, 2048, 4
+    config.num_attention_heads, config.num_key_value_heads = 8, 2
+    config.layer_types = ["full_attention"] * 4
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _optimizer(model):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+
+
+def _memory_kib() -> dict[str, int]:
+    with open("/proc/self/status") as f:
+        return {k: int(v.split()[0]) for k, v in (line.split(":") for line in f) if k in ("VmRSS", "VmHWM")}
+
+
+def _resume_rank(rank: int, port: int, tiny_model: Path, ckpt: Path, out: Path) -> None:
+    import gc
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))  # fmt: skip
+    init_distributed(0, 300)
+    model = _wide_model(tiny_model)
+    shard_model(model)
+    optimizer, scheduler = _optimizer(model)
+    gc.collect()
+    dist.barrier()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS: the peak below is the resume's own
+    before = _memory_kib()["VmRSS"]
+    loaded = load_checkpoint(ckpt, model, optimizer, scheduler, rank, world_size=2)
+    growth_kib = _memory_kib()["VmHWM"] - before
+    full = get_optimizer_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    if rank == 0:
+        saved = torch.load(ckpt / "trainer_state.pt", weights_only=False)["optimizer"]["state"]
+        same = all(
+            torch.equal(full["state"][k][n], saved[k][n]) for k in saved for n in ("exp_avg", "exp_avg_sq")
+        )
+    else:
+        same = None
+    result = {
+        "loaded": loaded,
+        "growth_bytes": growth_kib * 1024,
+        "epoch": scheduler.last_epoch,
+        "same": same,
+    }
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(600)
+def test_resume_under_fsdp_reads_the_state_file_on_rank_0_only(tiny_model, tmp_path):
+    """2 gloo ranks resume from a checkpoint whose trainer_state.pt is ~125 MB of AdamW state: rank 1's
+    peak memory during the resume stays below the file's size (it used to torch.load all of it, only for
+    rank 0's copy to be used: 7B, 8 ranks: ~490 GB of host RAM), and both ranks end with the saved
+    optimizer state, scheduler and counters."""
+    import torch.multiprocessing as mp
+
+    model = _wide_model(tiny_model)
+    optimizer, scheduler = _optimizer(model)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    optimizer.step()
+    scheduler.step()
+    state = {"step": 3, "model_version": 2, "dataset_position": 17}
+    ckpt = save_checkpoint(
+        tmp_path, model, AutoTokenizer.from_pretrained(tiny_model), optimizer, scheduler, state
+    )
+    size = (ckpt / "trainer_state.pt").stat().st_size
+    assert size > 100e6
+    del model, optimizer
+    mp.spawn(_resume_rank, args=(vllm_server.free_port(), tiny_model, ckpt, tmp_path), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["loaded"] for r in ranks] == [[3, 2, 17]] * 2
+    assert [r["epoch"] for r in ranks] == [1, 1]
+    assert ranks[0]["same"]
+    assert ranks[1]["growth_bytes"] < size, (ranks[1]["growth_bytes"], size)
