@@ -181,3 +181,50 @@ def test_resume_under_fsdp_reads_the_state_file_on_rank_0_only(tiny_model, tmp_p
     assert [r["epoch"] for r in ranks] == [1, 1]
     assert ranks[0]["same"]
     assert ranks[1]["growth_bytes"] < size, (ranks[1]["growth_bytes"], size)
+
+
+# ---------------------------------------------------------------------------------------------------
+# THE OTHER RANKS' WAIT for rank 0's next message
+# ---------------------------------------------------------------------------------------------------
+def _message_rank(rank: int, port: int, out: Path) -> None:
+    import time
+
+    from distributed import broadcast_message
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))  # fmt: skip
+    init_distributed(0, timeout_s=2)
+    if rank == 0:
+        time.sleep(6)  # alone, longer than the collective timeout: a batch wait, an evaluation
+        broadcast_message({"batch": [1, 2]}, 2)
+        time.sleep(1)
+        os._exit(3)  # dies while rank 1 waits for the next message
+    t0 = time.monotonic()
+    got = broadcast_message(None, 2)
+    waited = time.monotonic() - t0
+    t0 = time.monotonic()
+    try:
+        broadcast_message(None, 2)
+        error = None
+    except Exception as e:  # noqa: BLE001 - what a dead rank 0 leaves the others
+        error = type(e).__name__
+    (out / "rank1.json").write_text(json.dumps([got, waited, error, time.monotonic() - t0]))
+    os._exit(0)
+
+
+@pytest.mark.timeout(300)
+def test_other_ranks_wait_for_rank_0_longer_than_the_collective_timeout(tmp_path):
+    """Rank 0 works alone for 6 s with a 2 s collective timeout (the trainer's: 2400 s, which a batch
+    wait, a failing sync, a re-join and an evaluation can exceed together): rank 1, waiting for its next
+    message, gets it. A rank 0 that dies still frees rank 1 at once (an error, not a hang)."""
+    import multiprocessing
+
+    ctx, port = multiprocessing.get_context("spawn"), vllm_server.free_port()
+    procs = [ctx.Process(target=_message_rank, args=(r, port, tmp_path)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    got, waited, error, freed_after = json.loads((tmp_path / "rank1.json").read_text())
+    assert got == {"batch": [1, 2]} and waited > 5
+    assert error is not None and freed_after < 60
