@@ -355,7 +355,7 @@ class WeightSyncer:
         self.version: int | None = None  # of the trainer's weights at the last sync
         self.groups: dict[str, object] = {}  # url -> gloo ProcessGroup; nccl: every url -> one communicator
         self.failed: dict[str, str] = {}  # url -> why its last sync failed (out of step until re-synced)
-        self.stores: list = []  # TCPStores must outlive their groups
+        self.stores: dict = {}  # gloo group -> its TCPStore, which must outlive it
 
     def init(self) -> None:
         """Form the transfer group(s) with every server. Raises naming any server that fails."""
@@ -380,14 +380,24 @@ class WeightSyncer:
                     sizes[u] = int(json.loads(r.read())["world_size"])
             except Exception as e:  # noqa: BLE001 - named in the error below, after the others joined
                 dead[u] = f"did not answer /get_world_size: {e}"
-        for u in urls:  # their groups are replaced (or, for the dead ones, gone)
-            self.groups.pop(u, None)
+        self._release(urls)  # their groups are replaced (or, for the dead ones, gone)
         urls = [u for u in urls if u in sizes]
         if urls:
             self._form_groups(urls, sizes, free_port)
         if dead:
             detail = "; ".join(f"{u} {m}" for u, m in dead.items())
             raise WeightSyncError(f"init: {detail} (joined: {', '.join(urls) or 'none'})")
+
+    def _release(self, urls: list[str]) -> None:
+        """Drop our end of the groups of `urls`. A communicator no other server still uses is destroyed:
+        NCCL's holds GPU memory and may hold a kernel a failed broadcast left queued (ncclCommAbort ends
+        it); a gloo group goes with its store (sockets, a thread)."""
+        old = [g for u in urls if (g := self.groups.pop(u, None)) is not None]
+        in_use = {id(g) for g in self.groups.values()}
+        for g in {id(g): g for g in old if id(g) not in in_use}.values():
+            self.stores.pop(g, None)
+            if hasattr(g, "destroy"):  # vLLM's PyNcclCommunicator
+                g.destroy()
 
     def _form_groups(self, urls: list[str], sizes: dict[str, int], free_port) -> None:
         if self.backend == "nccl":
@@ -399,6 +409,10 @@ class WeightSyncer:
             ports = [free_port() for _ in urls]
             bodies = [{"init_info": self._worker_init_info(p, 1, 1 + sizes[u])} for u, p in zip(urls, ports)]
             joins = [([u], p, 1 + sizes[u]) for u, p in zip(urls, ports)]
+        # A server's engine replaces its communicator on init without destroying it (vLLM 0.32's NCCL
+        # engine): release it first. A server with none (fresh, restarted) answers the same; one that
+        # refuses (mid-update) is told to join anyway.
+        _call_all(urls, "/shutdown_weight_transfer_engine", [None] * len(urls), self.http_timeout_s)
         pool = ThreadPoolExecutor(max_workers=len(urls))
         futures = [pool.submit(_post, u, "/init_weight_transfer_engine", b, self.transfer_timeout_s)
                    for u, b in zip(urls, bodies)]  # fmt: skip
@@ -470,7 +484,7 @@ class WeightSyncer:
                 dict(master_address=self.master_address, master_port=port, world_size=world_size)
             )
         store, group = gloo_group(self.master_address, port, 0, world_size, self.transfer_timeout_s)
-        self.stores.append(store)
+        self.stores[group] = store
         return group
 
     def sync(
@@ -621,6 +635,9 @@ class WeightSyncer:
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
         device = torch.cuda.current_device()
+        # The producer reads the weights on side streams that do not wait for the stream the optimizer
+        # step ran on: let that step finish first.
+        torch.cuda.synchronize(device)
 
         def send() -> None:
             torch.cuda.set_device(device)  # a new thread starts on device 0
@@ -637,8 +654,7 @@ class WeightSyncer:
         live = [u for u in self.urls if u in self.groups and healthy(u)]
         if self.rank == 0 and live:
             _call_all(live, "/shutdown_weight_transfer_engine", [None] * len(live), self.http_timeout_s)
-        self.groups.clear()
-        self.stores.clear()
+        self._release(list(self.groups))
 
 
 def _materialize(p: torch.Tensor) -> torch.Tensor:

@@ -125,6 +125,18 @@ def test_sync_one_server_twice(server_a):
     num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert metrics["sync/mb"] == pytest.approx(num_bytes / 1e6)
 
+    # A re-join (heal's, after a failed sync) releases the old group on both sides: the server's engine
+    # is shut down before it is told to join again, the trainer keeps one store, not one per join.
+    syncer.join([server_a.url])
+    syncer.join([server_a.url])
+    assert len(syncer.stores) == 1 and len(syncer.groups) == 1
+    calls = [
+        x.split('"POST ')[1].split()[0]
+        for x in server_a.log_path.read_text().splitlines()
+        if "_weight_transfer_engine HTTP" in x
+    ]
+    assert calls == ["/shutdown_weight_transfer_engine", "/init_weight_transfer_engine"] * 3, calls
+
     perturb(model, seed=2)  # the second sync must work too
     assert max_diff(model, server_a.url) > 10 * TOL
     metrics = syncer.sync(model.named_parameters(), version=2)
@@ -343,7 +355,7 @@ class FakeComm:
     named its port). A broadcast while a member is not receiving fails at once, where NCCL would hang."""
 
     def __init__(self, port: int, servers: list[FakeServer]):
-        self.port, self.servers, self.broadcasts = port, servers, 0
+        self.port, self.servers, self.broadcasts, self.destroyed = port, servers, 0, 0
 
     def members(self) -> list[FakeServer]:
         return [s for s in self.servers if s.init_ports and s.init_ports[-1] == self.port]
@@ -358,6 +370,9 @@ class FakeComm:
     def broadcast(self, buf, src, timeout):  # gloo's interface: returns a work to wait on
         self.check()
         return SimpleWork()
+
+    def destroy(self) -> None:  # PyNcclCommunicator's
+        self.destroyed += 1
 
 
 class SimpleWork:
@@ -455,3 +470,23 @@ def test_join_keeps_the_healthy_servers_when_one_is_dead(backend):
     syncer.sync(counting_params(), version=3)
     assert [servers[0].version, servers[2].version] == ["3", "3"]
     assert servers[0].calls[-1] == servers[2].calls[-1] == "/resume"  # served again, not left paused
+
+
+def test_nccl_rejoin_destroys_the_old_communicator_on_both_sides():
+    """heal's re-join re-forms the one communicator: the trainer destroys its old one (ncclCommAbort:
+    its GPU memory, and any kernel a failed broadcast left queued), and each server is told to shut its
+    engine down before it joins again (vLLM's NCCL engine would otherwise overwrite its communicator
+    and leak it, on servers sized to 0.9 of GPU memory)."""
+    servers = [FakeServer(), FakeServer()]
+    syncer, comms = fake_syncer("nccl", servers)
+    syncer.init()
+    syncer.join(syncer.urls)
+    syncer.join(syncer.urls)
+    assert [c.destroyed for c in comms] == [1, 1, 0]
+    for s in servers:
+        joins = [c for c in s.calls if c.endswith("_weight_transfer_engine")]
+        assert joins[-4:] == ["/shutdown_weight_transfer_engine", "/init_weight_transfer_engine"] * 2
+    syncer.sync(counting_params(), version=1)
+    assert comms[-1].broadcasts == 1 and [s.version for s in servers] == ["1", "1"]
+    syncer.close()
+    assert comms[-1].destroyed == 1
