@@ -79,22 +79,28 @@ def keep_threshold(
     return out
 
 
-def processed_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+def processed_logits(
+    logits: torch.Tensor, sampling: Sampling, keep: torch.Tensor | None = None
+) -> torch.Tensor:
     """(N, V) fp32 logits of the distribution vLLM samples from: / temperature, then −inf outside the
-    top-k / top-p set. Differentiable in the kept logits."""
+    top-k / top-p set (which, with `keep` (N,) token ids, holds each row's `keep` too). Differentiable
+    in the kept logits."""
     scaled = logits.float() / sampling.temperature
     if not sampling.truncates:
         return scaled
     threshold = keep_threshold(scaled.detach(), sampling)
+    if keep is not None:
+        threshold = torch.minimum(threshold, scaled.detach().gather(-1, keep[:, None])[:, 0])
     return scaled.masked_fill(scaled < threshold[:, None], float("-inf"))
 
 
 def token_logprobs_and_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, sampling: Sampling, with_entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logits: torch.Tensor, targets: torch.Tensor, sampling: Sampling, with_entropy: bool = False,
+    keep_targets: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """log π(targets) under the processed distribution, and (optionally, no grad) its entropy.
-    logits (N, V), targets (N,)."""
-    scaled = processed_logits(logits, sampling)
+    logits (N, V), targets (N,). `keep_targets`: each target stays in its row's kept set."""
+    scaled = processed_logits(logits, sampling, targets if keep_targets else None)
     logz = torch.logsumexp(scaled, dim=-1)  # (N,)
     logprobs = scaled.gather(-1, targets[:, None]).squeeze(-1) - logz
     entropy = None
@@ -117,7 +123,12 @@ def token_logprobs(
     with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=bf16):
         logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0]  # (T, V)
     # (T−1, V): position j−1 predicts token j
-    lp, entropy = token_logprobs_and_entropy(logits[:-1], input_ids[0, 1:], sampling, with_entropy)
+    # A sampled token was in the server's kept set, but rounding (bf16 on either side) can put one at the
+    # nucleus edge just outside ours: it stays in (−inf on a trained token makes the loss nan). Where
+    # both sides compute alike (fp32 on CPU) the sampled tokens are kept anyway: nothing changes.
+    lp, entropy = token_logprobs_and_entropy(
+        logits[:-1], input_ids[0, 1:], sampling, with_entropy, keep_targets=True
+    )
     zero = lp.new_zeros(1)
     return torch.cat([zero, lp]), (torch.cat([zero, entropy]) if with_entropy else None)
 
