@@ -565,9 +565,10 @@ class WeightSyncer:
         for u in ok:
             self.failed.pop(u, None)
         if failed:
-            for u, m in failed.items():  # its group is out of step or gone: a new one on rejoin
-                self.groups.pop(u, None)
-                self.failed[u] = m
+            # Its group is out of step or gone: released (an NCCL one destroyed, which also ends the
+            # kernel a timed-out broadcast left queued on the stream); a new one on rejoin.
+            self._release(list(failed))
+            self.failed.update(failed)
             dead = [u for u in failed if not healthy(u)]
             for u in failed:
                 if u not in dead:

@@ -490,3 +490,25 @@ def test_nccl_rejoin_destroys_the_old_communicator_on_both_sides():
     assert comms[-1].broadcasts == 1 and [s.version for s in servers] == ["1", "1"]
     syncer.close()
     assert comms[-1].destroyed == 1
+
+
+def test_nccl_broadcast_timeout_destroys_the_communicator():
+    """An NCCL broadcast that times out (a server died mid-transfer) leaves its kernel queued on the
+    stream, where it would wedge every later sync: the communicator is destroyed (ncclCommAbort), and the
+    servers that answer join a new one and take the next sync."""
+    servers = [FakeServer(), FakeServer()]
+    syncer, comms = fake_syncer("nccl", servers)
+
+    def hangs(group, tensors) -> None:
+        next(tensors)  # one buffer out, then the peer is gone
+        raise TimeoutError("NCCL broadcast did not finish within 5 s")
+
+    syncer.init()
+    syncer._nccl_broadcast = hangs
+    with pytest.raises(WeightSyncError, match="NCCL broadcast did not finish"):
+        syncer.sync(counting_params(), version=1)
+    assert comms[0].destroyed == 1 and syncer.groups == {}
+    syncer._nccl_broadcast = lambda group, tensors: [group.check(), *tensors]
+    syncer.join(syncer.out_of_step())
+    syncer.sync(counting_params(), version=2)
+    assert len(comms) == 2 and comms[1].broadcasts == 1 and [s.version for s in servers] == ["2", "2"]
