@@ -41,6 +41,7 @@ CPU the tied lm_head re-packed after each sync (see `_repack_cpu_embedding_gemms
 import datetime
 import json
 import math
+import queue
 import sys
 import threading
 import time
@@ -293,25 +294,46 @@ def _collect(urls: list[str], futures: list, timeout_s: float) -> dict[str, str]
     return errors
 
 
-def _run_with_timeout(fn, timeout_s: float, what: str):
-    """Run `fn` on a daemon thread and give up after `timeout_s` — for calls with no timeout of their
-    own (an NCCL broadcast to a dead peer blocks its stream forever). The thread is left behind."""
+_DONE = object()
+
+
+def _feed(consume, items: Iterator, timeout_s: float, what: str) -> None:
+    """Run `consume(iterator)` on a daemon thread (an NCCL send, which has no timeout of its own) and
+    feed it `items` from this thread through a bounded queue. Every item is drawn here, whatever becomes
+    of the consumer: drawing one is an FSDP gather, a collective the other ranks make too, so a send that
+    stops (a peer died mid-broadcast) never leaves them waiting on gathers rank 0 did not make. Items the
+    consumer does not take by the deadline are dropped; then TimeoutError (or the consumer's own error)
+    is raised. A stuck thread is left behind (destroying its communicator ends it)."""
+    feed: queue.Queue = queue.Queue(maxsize=2)
     result: dict = {}
 
-    def target():
+    def target() -> None:
         try:
-            result["value"] = fn()
+            consume(iter(feed.get, _DONE))
         except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
             result["error"] = e
 
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
-    thread.join(timeout_s)
+    deadline = time.monotonic() + timeout_s
+    taking = True  # the consumer is alive and within the deadline
+    for item in _then_done(items):
+        while taking:
+            try:
+                feed.put(item, timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+                break
+            except queue.Full:
+                taking = thread.is_alive() and time.monotonic() < deadline
+    thread.join(max(0.0, deadline - time.monotonic()))
     if thread.is_alive():
         raise TimeoutError(f"{what} did not finish within {timeout_s:.0f} s")
     if "error" in result:
         raise result["error"]
-    return result.get("value")
+
+
+def _then_done(items: Iterator) -> Iterator:
+    yield from items
+    yield _DONE
 
 
 class WeightSyncer:
@@ -632,23 +654,30 @@ class WeightSyncer:
 
     def _nccl_broadcast(self, group, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         """vLLM's packed producer over the one communicator, on a thread we stop waiting for (an NCCL
-        broadcast to a dead peer has no timeout of its own)."""
+        broadcast to a dead peer has no timeout of its own), fed by the gathers on this thread (`_feed`)."""
+        on_gpu = torch.cuda.is_available()
+        if on_gpu:
+            device = torch.cuda.current_device()
+            # The producer reads the weights on side streams that do not wait for the stream the
+            # optimizer step ran on: let that step finish first.
+            torch.cuda.synchronize(device)
+
+        def send(items: Iterator) -> None:
+            if on_gpu:
+                torch.cuda.set_device(device)  # a new thread starts on device 0
+            self._produce(group, items)
+            if on_gpu:
+                torch.cuda.current_stream().synchronize()
+
+        _feed(send, tensors, self.transfer_timeout_s, "NCCL broadcast")
+
+    def _produce(self, group, items: Iterator[tuple[str, torch.Tensor]]) -> None:
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
-        device = torch.cuda.current_device()
-        # The producer reads the weights on side streams that do not wait for the stream the optimizer
-        # step ran on: let that step finish first.
-        torch.cuda.synchronize(device)
-
-        def send() -> None:
-            torch.cuda.set_device(device)  # a new thread starts on device 0
-            packed_nccl_broadcast_producer(
-                iterator=tensors, group=group, src=0, post_iter_func=lambda item: item[1],
-                buffer_size_bytes=self.bucket_bytes, num_buffers=2,
-            )  # fmt: skip
-            torch.cuda.current_stream().synchronize()
-
-        _run_with_timeout(send, self.transfer_timeout_s, "NCCL broadcast")
+        packed_nccl_broadcast_producer(
+            iterator=items, group=group, src=0, post_iter_func=lambda item: item[1],
+            buffer_size_bytes=self.bucket_bytes, num_buffers=2,
+        )  # fmt: skip
 
     def close(self) -> None:
         """Release the groups on both sides; the servers keep serving."""

@@ -512,3 +512,82 @@ def test_nccl_broadcast_timeout_destroys_the_communicator():
     syncer.join(syncer.out_of_step())
     syncer.sync(counting_params(), version=2)
     assert len(comms) == 2 and comms[1].broadcasts == 1 and [s.version for s in servers] == ["2", "2"]
+
+
+def _hang_rank(rank: int, port: int, out: Path) -> None:
+    """One FSDP rank (gloo) of a 2-rank trainer syncing over a fake one-server NCCL group whose first
+    broadcast hangs after two tensors (the server died mid-transfer)."""
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    from distributed import init_distributed, shard_model
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))  # fmt: skip
+    init_distributed(0, 60)
+    model = load_trainer_model("tiny")
+    shard_model(model)
+    if rank == 0:
+        servers = [FakeServer()]
+        syncer, comms = fake_syncer("nccl", servers)
+        del syncer._nccl_broadcast  # the real one: gathers here, the send on its thread
+        taken = []
+
+        def hangs(group, items) -> None:
+            taken.extend([next(items), next(items)])
+            time.sleep(3600)  # a broadcast to a dead peer: never returns
+
+        syncer._produce = hangs
+        syncer.init()
+    else:
+        syncer = WeightSyncer([], backend="nccl", rank=1)  # gathers only, as follow_rank0's
+    t0 = time.monotonic()
+    try:
+        syncer.sync(model.named_parameters(), version=1)
+        error = None
+    except WeightSyncError as e:
+        error = str(e)
+    dist.barrier()  # the next collective of the run: both ranks must reach it, in step
+    left_after = time.monotonic() - t0
+    if rank == 0:
+        received = []
+        syncer._produce = lambda group, items: received.extend(items)
+        syncer.join(syncer.out_of_step())
+        syncer.sync(model.named_parameters(), version=2)
+    else:
+        syncer.sync(model.named_parameters(), version=2)
+    dist.barrier()
+    if rank == 0:
+        every = [n for n, _ in received] == [n for n, _ in model.named_parameters()]
+        result = {"error": error, "left_after": left_after, "destroyed": comms[0].destroyed,
+                  "second": every, "version": servers[0].version}  # fmt: skip
+        (out / "rank0.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+    os._exit(0)  # the hung send thread is a daemon: do not wait for it
+
+
+@pytest.mark.timeout(300)
+def test_a_broadcast_that_hangs_mid_sync_leaves_every_fsdp_rank_in_step(tmp_path):
+    """2 FSDP ranks over gloo; rank 0's NCCL send hangs after two tensors. Rank 0 still makes every
+    gather (on its main thread, feeding the send thread through a bounded queue), so both ranks leave
+    the sync together and meet at the next collective; the sync fails naming the server, its
+    communicator is destroyed, and the next sync (a new communicator) sends every tensor."""
+    import json
+    import multiprocessing
+
+    from vllm_server import free_port
+
+    ctx, port = multiprocessing.get_context("spawn"), free_port()
+    procs = [ctx.Process(target=_hang_rank, args=(r, port, tmp_path)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    assert [p.exitcode for p in procs] == [0, 0]
+    r = json.loads((tmp_path / "rank0.json").read_text())
+    assert "NCCL broadcast did not finish within 5 s" in r["error"]
+    assert r["left_after"] < 60 and r["destroyed"] == 1
+    assert r["second"] and r["version"] == "2"
