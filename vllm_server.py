@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -350,16 +351,16 @@ def write_servers_file(servers: list[VLLMServer], path: Path) -> None:
     path.write_text(json.dumps([{"url": s.url, "pgid": s.proc.pid} for s in servers]))
 
 
-def relaunch_exited(servers: list[VLLMServer], servers_file: Path) -> None:
-    """Relaunch each of `servers` that exited (same port and arguments, so the same URL and the base
-    weights; not waited for) and rewrite `servers_file` with the new process groups."""
+def relaunch_exited(servers: list[VLLMServer], servers_file: Path, stuck: Collection[str] = ()) -> None:
+    """Relaunch each of `servers` that exited, or whose URL is in `stuck` (alive but wedged: the weight
+    syncer's `stuck`), on the same port and arguments (so the same URL and the base weights; not waited
+    for), and rewrite `servers_file` with the new process groups."""
     for s in servers:
-        if not s.alive():
-            print(
-                f"vLLM server {s.url} exited with code {s.proc.returncode}; relaunching it",
-                file=sys.stderr,
-                flush=True,
+        if not s.alive() or s.url in stuck:
+            why = (
+                f"exited with code {s.proc.returncode}" if not s.alive() else "is stuck in a weight transfer"
             )
+            print(f"vLLM server {s.url} {why}; relaunching it", file=sys.stderr, flush=True)
             s.restart()
             write_servers_file(servers, servers_file)
 

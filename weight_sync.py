@@ -377,6 +377,10 @@ class WeightSyncer:
         self.version: int | None = None  # of the trainer's weights at the last sync
         self.groups: dict[str, object] = {}  # url -> gloo ProcessGroup; nccl: every url -> one communicator
         self.failed: dict[str, str] = {}  # url -> why its last sync failed (out of step until re-synced)
+        # Servers of an NCCL broadcast that timed out: they answer /health but wait in vLLM's packed
+        # consumer (no timeout) for the rest of it, so only a restart frees them (`relaunch_exited`'s
+        # `stuck`; --vllm-url: whoever runs them). Not re-joined until they report a fresh start.
+        self.stuck: set[str] = set()
         self.stores: dict = {}  # gloo group -> its TCPStore, which must outlive it
 
     def init(self) -> None:
@@ -473,6 +477,9 @@ class WeightSyncer:
                     tag = json.loads(r.read())["weight_version"]
             except Exception:  # noqa: BLE001 - not answering (yet)
                 continue
+            if u in self.stuck and tag != "default":
+                continue  # still inside the receive: a join would wait on it in vain
+            self.stuck.discard(u)
             if u not in self.groups or u in self.failed or tag != str(self.version):
                 stale.append(u)
         return stale
@@ -601,6 +608,11 @@ class WeightSyncer:
             raise WeightSyncError(
                 f"weight sync to version {version} failed on {len(failed)} server(s), "
                 f"{len(ok)} got it; not responding: {', '.join(dead) or 'none'}; "
+                + (
+                    f"stuck in the NCCL receive (restart them): {', '.join(sorted(self.stuck))}; "
+                    if self.stuck
+                    else ""
+                )
                 + "; ".join(f"{u} failed in {m}" for u, m in failed.items())
             )
         mb = num_bytes / 1e6
@@ -632,6 +644,8 @@ class WeightSyncer:
             try:
                 self._nccl_broadcast(self.groups[urls[0]], full_tensors())
             except Exception as e:  # one group: it fails for everyone
+                if isinstance(e, TimeoutError):
+                    self.stuck.update(urls)
                 return num_bytes, {u: f"{type(e).__name__}: {e}" for u in urls}
             return num_bytes, {}
 

@@ -10,6 +10,7 @@ import textwrap
 import time
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -145,3 +146,17 @@ def test_a_server_slower_than_the_start_timeout_fails_in_one_line(tiny_model):
         f"vllm_server.py: vLLM server http://127.0.0.1:{port} not healthy after 1 s; log "
     ), first
     assert not r.stderr.startswith("Traceback")
+
+
+def test_relaunch_restarts_exited_and_stuck_servers(tmp_path):
+    """heal's relaunch: a launched server that exited, and one the weight syncer names as stuck in an
+    NCCL receive (alive, answering /health), are both restarted; the others are left alone."""
+    restarted = []
+
+    def server(url: str, alive: bool) -> SimpleNamespace:
+        proc = SimpleNamespace(returncode=None if alive else -9, pid=1)
+        return SimpleNamespace(url=url, alive=lambda: alive, proc=proc, restart=lambda: restarted.append(url))
+
+    servers = [server("http://a", True), server("http://b", False), server("http://c", True)]
+    vllm_server.relaunch_exited(servers, tmp_path / "servers.json", stuck={"http://c"})
+    assert restarted == ["http://b", "http://c"]

@@ -494,8 +494,10 @@ def test_nccl_rejoin_destroys_the_old_communicator_on_both_sides():
 
 def test_nccl_broadcast_timeout_destroys_the_communicator():
     """An NCCL broadcast that times out (a server died mid-transfer) leaves its kernel queued on the
-    stream, where it would wedge every later sync: the communicator is destroyed (ncclCommAbort), and the
-    servers that answer join a new one and take the next sync."""
+    stream, where it would wedge every later sync: the communicator is destroyed (ncclCommAbort). The
+    surviving servers wait in vLLM's packed consumer (no timeout) while /health answers: they are
+    named as stuck (relaunch_exited restarts launched ones) and not re-joined until they come back
+    fresh; then they join a new communicator and take the next sync."""
     servers = [FakeServer(), FakeServer()]
     syncer, comms = fake_syncer("nccl", servers)
 
@@ -504,14 +506,20 @@ def test_nccl_broadcast_timeout_destroys_the_communicator():
         raise TimeoutError("NCCL broadcast did not finish within 5 s")
 
     syncer.init()
-    syncer._nccl_broadcast = hangs
-    with pytest.raises(WeightSyncError, match="NCCL broadcast did not finish"):
-        syncer.sync(counting_params(), version=1)
-    assert comms[0].destroyed == 1 and syncer.groups == {}
-    syncer._nccl_broadcast = lambda group, tensors: [group.check(), *tensors]
+    syncer.sync(counting_params(), version=1)
+    working, syncer._nccl_broadcast = syncer._nccl_broadcast, hangs
+    with pytest.raises(WeightSyncError, match="NCCL broadcast did not finish") as e:
+        syncer.sync(counting_params(), version=2)
+    assert "stuck in the NCCL receive (restart them): " + ", ".join(sorted(syncer.urls)) in str(e.value)
+    assert comms[0].destroyed == 1 and syncer.groups == {} and syncer.stuck == set(syncer.urls)
+    assert syncer.out_of_step() == []  # alive, version 1, inside the receive: a join would hang
+    for s in servers:  # relaunched: a fresh server reports version "default"
+        s.version = "default"
+    syncer._nccl_broadcast = working
     syncer.join(syncer.out_of_step())
-    syncer.sync(counting_params(), version=2)
-    assert len(comms) == 2 and comms[1].broadcasts == 1 and [s.version for s in servers] == ["2", "2"]
+    syncer.sync(counting_params(), version=3)
+    assert len(comms) == 2 and comms[1].broadcasts == 1 and [s.version for s in servers] == ["3", "3"]
+    assert syncer.stuck == set() and syncer.failed == {}
 
 
 def _hang_rank(rank: int, port: int, out: Path) -> None:
