@@ -78,14 +78,21 @@ def param_checksum(named_tensors) -> float:
 def load_checkpoint(ckpt: Path, model, optimizer, scheduler, rank: int = 0, world_size: int = 1):
     """Restore the optimizer, scheduler and RNG states of `ckpt` (the model is loaded from it with
     from_pretrained); returns (step, model version, stream frontier, pending row indices). Under FSDP
-    rank 0's copy of the optimizer state is scattered into the shards."""
-    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
-    if world_size > 1:  # rank 0's copy, scattered into the shards
+    only rank 0 reads trainer_state.pt (memory-mapped: its pages come in as they are sent); the optimizer
+    state is scattered into the shards tensor by tensor and the rest (scheduler, RNG, counters, pending
+    rows: small) is broadcast, so no rank holds the whole Adam state (7B: ~61 GB) in RAM."""
+    path = ckpt / "trainer_state.pt"
+    if world_size > 1:
+        state = torch.load(path, weights_only=False, mmap=True) if rank == 0 else {"optimizer": {}}
+        rest = [{k: v for k, v in state.items() if k != "optimizer"}]
+        dist.broadcast_object_list(rest, src=0)
         set_optimizer_state_dict(
-            model, optimizer, state["optimizer"] if rank == 0 else {},
+            model, optimizer, state["optimizer"],
             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
         )  # fmt: skip
+        state = rest[0]
     else:
+        state = torch.load(path, weights_only=False)
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"]["torch"])

@@ -80,11 +80,22 @@ def describe_plan(num_gpus: int, servers: list[str], rank_devices: list[str]) ->
     return f"device plan ({num_gpus} GPU(s) visible): vLLM servers on {where}; trainer {ranks}"
 
 
+# The other ranks wait for rank 0's next message on a gloo group of their own whose timeout never
+# strikes: rank 0 alone bounds its lone stretches (server start-up, a batch wait, a re-join, an
+# evaluation: each under its own flag), which add up to more than any fixed collective timeout; a rank 0
+# that dies closes its connections, which frees the waiting ranks at once. The default group (FSDP's
+# collectives, which every rank enters together) keeps `timeout_s`.
+MESSAGE_WAIT = datetime.timedelta(days=365)
+_message_group = None
+
+
 def init_distributed(first_gpu: int, timeout_s: float) -> tuple[int, int, torch.device]:
     """(rank, world_size, device). Under torchrun (WORLD_SIZE > 1) joins the default group: nccl on GPU,
-    gloo on CPU. Rank r trains on GPU first_gpu + r (launched servers take GPUs 0..first_gpu−1).
-    `timeout_s` bounds every collective, so it must cover rank 0's longest lone stretch (server
-    start-up, a batch wait, an evaluation) during which the other ranks wait for its broadcast."""
+    gloo on CPU, and the message group (`broadcast_message`). Rank r trains on GPU first_gpu + r
+    (launched servers take GPUs 0..first_gpu−1). `timeout_s` bounds the collectives every rank enters
+    together (training, the gathers of a weight sync or a checkpoint), so it must cover what rank 0 does
+    alone inside them: a weight sync's HTTP calls and sends (each bounded by its own timeout)."""
+    global _message_group
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device(f"cuda:{first_gpu + local_rank}" if torch.cuda.is_available() else "cpu")
@@ -94,6 +105,7 @@ def init_distributed(first_gpu: int, timeout_s: float) -> tuple[int, int, torch.
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
         )
+        _message_group = dist.new_group(backend="gloo", timeout=MESSAGE_WAIT)
     return rank, world_size, device
 
 
@@ -131,11 +143,12 @@ def shard_model(model, compute_dtype: str = "fp32") -> None:
 
 
 def broadcast_message(message, world_size: int):
-    """Rank 0's `message` (plain Python: lists, dicts, numbers) on every rank, pickled."""
+    """Rank 0's `message` (plain Python: lists, dicts, numbers) on every rank, pickled, over the message
+    group: the other ranks wait for it as long as rank 0 works (see MESSAGE_WAIT)."""
     if world_size == 1:
         return message
     box = [message]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=_message_group)
     return box[0]
 
 

@@ -128,7 +128,7 @@ def token_logprobs(
     Returns (logprobs (T,), entropy (T,) or None)."""
     with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=bf16):
         logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0]  # (T, V)
-    # (T−1, V): position j−1 predicts token j
+    # (T−1, V): position j−1 predicts token j; each target stays in its row's kept set (see above)
     lp, entropy = token_logprobs_and_entropy(logits[:-1], input_ids[0, 1:], sampling, with_entropy)
     zero = lp.new_zeros(1)
     return torch.cat([zero, lp]), (torch.cat([zero, entropy]) if with_entropy else None)

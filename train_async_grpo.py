@@ -395,7 +395,7 @@ def heal(run: Run, push: bool = True) -> None:
     next call."""
     from weight_sync import WeightSyncError
 
-    relaunch_exited(run.servers, run.out_dir / "vllm-logs" / "servers.json")
+    relaunch_exited(run.servers, run.out_dir / "vllm-logs" / "servers.json", stuck=run.syncer.stuck)
     stale = run.syncer.rejoin()
     if not stale:
         return
@@ -449,7 +449,7 @@ def start_rollouts(
     # is how a restarted server (tag "default", base weights) is told apart from one in step.
     sync_weights(run.syncer, run.model, run.version, run.world_size)
     probe_prompts = [template.prompt_ids(make_episode(r).messages) for r in rows[:4]]
-    bf16 = args.compute_dtype == "bf16"  # and the servers then run bf16 too: a looser, KL bound
+    bf16 = args.compute_dtype == "bf16" or serving_dtype == "bfloat16"  # either side bf16: the KL bound
     fidelity = probe_fidelity(
         urls, model_name, run.model, probe_prompts, sampling_of(args), args.seed, bf16, run.world_size, device
     )

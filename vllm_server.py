@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -101,6 +102,18 @@ def _start_watchdog(pgid: int) -> int:
     )
     os.close(read_end)
     return write_end
+
+
+def physical_gpus(indices: str) -> str:
+    """GPUs `indices` ('0', '2,3') as this process numbers them (positions in its CUDA_VISIBLE_DEVICES),
+    named as a child process must be told them: the parent's own entries (ids, UUIDs or MIG names).
+    A child given our indices would read them as physical GPUs: with CUDA_VISIBLE_DEVICES=4,5,6,7 a
+    server planned on GPU 0 would run on GPU 0, not 4, and could share one with a trainer rank."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return indices
+    entries = [e.strip() for e in visible.split(",")]
+    return ",".join(entries[int(i)] for i in indices.split(","))
 
 
 def healthy(url: str, timeout_s: float = 2.0) -> bool:
@@ -228,9 +241,10 @@ def start_vllm_server(
 
     `weight_transfer_backend` defaults to nccl on GPU and gloo on CPU; the gloo engine lives in
     `weight_sync.py`, imported into the workers by `--worker-extension-cls`. `visible_devices` pins a
-    GPU group (data parallel = one server per group). `kv_cache_gib` sizes the CPU KV cache; 1 GiB holds
-    far more than the tiny model needs and leaves the 24 GiB machine to the trainer. `seed` is the
-    server's own (unseeded requests); data-parallel servers get distinct ones (`start_vllm_servers`).
+    GPU group (data parallel = one server per group), numbered as this process sees them
+    (`physical_gpus`). `kv_cache_gib` sizes the CPU KV cache; 1 GiB holds far more than the tiny model
+    needs and leaves the 24 GiB machine to the trainer. `seed` is the server's own (unseeded requests);
+    data-parallel servers get distinct ones (`start_vllm_servers`).
     `host` is the address it listens on: 127.0.0.1 for the trainer's own servers, an address other
     hosts can reach (or 0.0.0.0) for a server that trainers elsewhere use through --vllm-url.
     `cpus` ('0', '2-5'): every process of the server runs there (taskset: the API server and the engine
@@ -280,7 +294,7 @@ def start_vllm_server(
     env["PYTHONPATH"] = os.pathsep.join(p for p in [repo, env.get("PYTHONPATH", "")] if p)
     if on_gpu:
         if visible_devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = visible_devices
+            env["CUDA_VISIBLE_DEVICES"] = physical_gpus(visible_devices)
     else:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         if cpus is not None:
@@ -295,11 +309,14 @@ def start_vllm_server(
 
 
 def start_vllm_servers(
-    model: str, num_servers: int = 1, gpus_per_server: int = 1, seed: int = 0, **kwargs
-) -> list[VLLMServer]:
-    """Data parallel: `num_servers` independent servers, each on its own group of GPUs (or the CPU).
+    model: str, num_servers: int = 1, gpus_per_server: int = 1, seed: int = 0, port: int | None = None,
+    **kwargs,
+) -> list[VLLMServer]:  # fmt: skip
+    """Data parallel: `num_servers` independent servers, each on its own group of GPUs (or the CPU), on
+    ports `port`, `port` + 1, … (free ones without `port`).
 
-    All are launched before any is waited on, so their start-ups overlap.
+    All are launched before any is waited on, so their start-ups overlap: N cold starts take the time of
+    the slowest, and `timeout_s` bounds each (it is also the whole wait).
     """
     on_gpu = torch.cuda.is_available()
     servers = []
@@ -311,6 +328,7 @@ def start_vllm_servers(
             servers.append(
                 start_vllm_server(
                     model,
+                    port=None if port is None else port + i,
                     visible_devices=devices,
                     tensor_parallel_size=gpus_per_server if on_gpu else 1,
                     seed=seed + i,  # distinct: same-seeded servers draw the same unseeded samples
@@ -333,16 +351,16 @@ def write_servers_file(servers: list[VLLMServer], path: Path) -> None:
     path.write_text(json.dumps([{"url": s.url, "pgid": s.proc.pid} for s in servers]))
 
 
-def relaunch_exited(servers: list[VLLMServer], servers_file: Path) -> None:
-    """Relaunch each of `servers` that exited (same port and arguments, so the same URL and the base
-    weights; not waited for) and rewrite `servers_file` with the new process groups."""
+def relaunch_exited(servers: list[VLLMServer], servers_file: Path, stuck: Collection[str] = ()) -> None:
+    """Relaunch each of `servers` that exited, or whose URL is in `stuck` (alive but wedged: the weight
+    syncer's `stuck`), on the same port and arguments (so the same URL and the base weights; not waited
+    for), and rewrite `servers_file` with the new process groups."""
     for s in servers:
-        if not s.alive():
-            print(
-                f"vLLM server {s.url} exited with code {s.proc.returncode}; relaunching it",
-                file=sys.stderr,
-                flush=True,
+        if not s.alive() or s.url in stuck:
+            why = (
+                f"exited with code {s.proc.returncode}" if not s.alive() else "is stuck in a weight transfer"
             )
+            print(f"vLLM server {s.url} {why}; relaunching it", file=sys.stderr, flush=True)
             s.restart()
             write_servers_file(servers, servers_file)
 
@@ -364,6 +382,13 @@ def main() -> None:
     p.add_argument("--port", type=int, default=8000, help="port of the first server")
     p.add_argument("--num-servers", type=int, default=1, help="data-parallel servers (GPU i: server i)")
     p.add_argument("--max-model-len", type=int, default=2048, help="context length")
+    p.add_argument(
+        "--start-timeout",
+        type=float,
+        default=1800.0,
+        help="seconds the servers (started together) may take to answer /health; a cold 7B start "
+        "(download, load, CUDA graphs) can take many minutes",
+    )
     args = p.parse_args()
     # Stop cleanly on Ctrl-C and on SIGTERM (`kill`, Slurm), also when started in the background, where
     # the shell leaves SIGINT ignored and Python would never raise KeyboardInterrupt.
@@ -371,22 +396,19 @@ def main() -> None:
         signal.signal(sig, signal.default_int_handler)
     servers = []
     try:
-        for i in range(args.num_servers):
-            servers.append(
-                start_vllm_server(
-                    args.model,
-                    port=args.port + i,
-                    host=args.host,
-                    max_model_len=args.max_model_len,
-                    visible_devices=str(i) if torch.cuda.is_available() else None,  # GPU i: server i
-                )  # fmt: skip
-            )
-            print(f"serving {args.model} at {servers[-1].url} (log {servers[-1].log_path})", flush=True)
+        servers = start_vllm_servers(
+            args.model, num_servers=args.num_servers, port=args.port, host=args.host,
+            max_model_len=args.max_model_len, timeout_s=args.start_timeout,
+        )  # fmt: skip
+        for s in servers:
+            print(f"serving {args.model} at {s.url} (log {s.log_path})", flush=True)
         while all(s.alive() for s in servers):
             time.sleep(1)
         print("a server exited; stopping", file=sys.stderr)
     except KeyboardInterrupt:
         pass
+    except (RuntimeError, TimeoutError) as e:  # a server that exited or never answered: its log says why
+        sys.exit(f"vllm_server.py: {e}")
     finally:
         for s in servers:
             s.stop()

@@ -41,6 +41,7 @@ CPU the tied lm_head re-packed after each sync (see `_repack_cpu_embedding_gemms
 import datetime
 import json
 import math
+import queue
 import sys
 import threading
 import time
@@ -293,25 +294,46 @@ def _collect(urls: list[str], futures: list, timeout_s: float) -> dict[str, str]
     return errors
 
 
-def _run_with_timeout(fn, timeout_s: float, what: str):
-    """Run `fn` on a daemon thread and give up after `timeout_s` — for calls with no timeout of their
-    own (an NCCL broadcast to a dead peer blocks its stream forever). The thread is left behind."""
+_DONE = object()
+
+
+def _feed(consume, items: Iterator, timeout_s: float, what: str) -> None:
+    """Run `consume(iterator)` on a daemon thread (an NCCL send, which has no timeout of its own) and
+    feed it `items` from this thread through a bounded queue. Every item is drawn here, whatever becomes
+    of the consumer: drawing one is an FSDP gather, a collective the other ranks make too, so a send that
+    stops (a peer died mid-broadcast) never leaves them waiting on gathers rank 0 did not make. Items the
+    consumer does not take by the deadline are dropped; then TimeoutError (or the consumer's own error)
+    is raised. A stuck thread is left behind (destroying its communicator ends it)."""
+    feed: queue.Queue = queue.Queue(maxsize=2)
     result: dict = {}
 
-    def target():
+    def target() -> None:
         try:
-            result["value"] = fn()
+            consume(iter(feed.get, _DONE))
         except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
             result["error"] = e
 
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
-    thread.join(timeout_s)
+    deadline = time.monotonic() + timeout_s
+    taking = True  # the consumer is alive and within the deadline
+    for item in _then_done(items):
+        while taking:
+            try:
+                feed.put(item, timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+                break
+            except queue.Full:
+                taking = thread.is_alive() and time.monotonic() < deadline
+    thread.join(max(0.0, deadline - time.monotonic()))
     if thread.is_alive():
         raise TimeoutError(f"{what} did not finish within {timeout_s:.0f} s")
     if "error" in result:
         raise result["error"]
-    return result.get("value")
+
+
+def _then_done(items: Iterator) -> Iterator:
+    yield from items
+    yield _DONE
 
 
 class WeightSyncer:
@@ -355,7 +377,11 @@ class WeightSyncer:
         self.version: int | None = None  # of the trainer's weights at the last sync
         self.groups: dict[str, object] = {}  # url -> gloo ProcessGroup; nccl: every url -> one communicator
         self.failed: dict[str, str] = {}  # url -> why its last sync failed (out of step until re-synced)
-        self.stores: list = []  # TCPStores must outlive their groups
+        # Servers of an NCCL broadcast that timed out: they answer /health but wait in vLLM's packed
+        # consumer (no timeout) for the rest of it, so only a restart frees them (`relaunch_exited`'s
+        # `stuck`; --vllm-url: whoever runs them). Not re-joined until they report a fresh start.
+        self.stuck: set[str] = set()
+        self.stores: dict = {}  # gloo group -> its TCPStore, which must outlive it
 
     def init(self) -> None:
         """Form the transfer group(s) with every server. Raises naming any server that fails."""
@@ -380,14 +406,24 @@ class WeightSyncer:
                     sizes[u] = int(json.loads(r.read())["world_size"])
             except Exception as e:  # noqa: BLE001 - named in the error below, after the others joined
                 dead[u] = f"did not answer /get_world_size: {e}"
-        for u in urls:  # their groups are replaced (or, for the dead ones, gone)
-            self.groups.pop(u, None)
+        self._release(urls)  # their groups are replaced (or, for the dead ones, gone)
         urls = [u for u in urls if u in sizes]
         if urls:
             self._form_groups(urls, sizes, free_port)
         if dead:
             detail = "; ".join(f"{u} {m}" for u, m in dead.items())
             raise WeightSyncError(f"init: {detail} (joined: {', '.join(urls) or 'none'})")
+
+    def _release(self, urls: list[str]) -> None:
+        """Drop our end of the groups of `urls`. A communicator no other server still uses is destroyed:
+        NCCL's holds GPU memory and may hold a kernel a failed broadcast left queued (ncclCommAbort ends
+        it); a gloo group goes with its store (sockets, a thread)."""
+        old = [g for u in urls if (g := self.groups.pop(u, None)) is not None]
+        in_use = {id(g) for g in self.groups.values()}
+        for g in {id(g): g for g in old if id(g) not in in_use}.values():
+            self.stores.pop(g, None)
+            if hasattr(g, "destroy"):  # vLLM's PyNcclCommunicator
+                g.destroy()
 
     def _form_groups(self, urls: list[str], sizes: dict[str, int], free_port) -> None:
         if self.backend == "nccl":
@@ -399,6 +435,10 @@ class WeightSyncer:
             ports = [free_port() for _ in urls]
             bodies = [{"init_info": self._worker_init_info(p, 1, 1 + sizes[u])} for u, p in zip(urls, ports)]
             joins = [([u], p, 1 + sizes[u]) for u, p in zip(urls, ports)]
+        # A server's engine replaces its communicator on init without destroying it (vLLM 0.32's NCCL
+        # engine): release it first. A server with none (fresh, restarted) answers the same; one that
+        # refuses (mid-update) is told to join anyway.
+        _call_all(urls, "/shutdown_weight_transfer_engine", [None] * len(urls), self.http_timeout_s)
         pool = ThreadPoolExecutor(max_workers=len(urls))
         futures = [pool.submit(_post, u, "/init_weight_transfer_engine", b, self.transfer_timeout_s)
                    for u, b in zip(urls, bodies)]  # fmt: skip
@@ -437,6 +477,9 @@ class WeightSyncer:
                     tag = json.loads(r.read())["weight_version"]
             except Exception:  # noqa: BLE001 - not answering (yet)
                 continue
+            if u in self.stuck and tag != "default":
+                continue  # still inside the receive: a join would wait on it in vain
+            self.stuck.discard(u)
             if u not in self.groups or u in self.failed or tag != str(self.version):
                 stale.append(u)
         return stale
@@ -470,7 +513,7 @@ class WeightSyncer:
                 dict(master_address=self.master_address, master_port=port, world_size=world_size)
             )
         store, group = gloo_group(self.master_address, port, 0, world_size, self.transfer_timeout_s)
-        self.stores.append(store)
+        self.stores[group] = store
         return group
 
     def sync(
@@ -551,9 +594,10 @@ class WeightSyncer:
         for u in ok:
             self.failed.pop(u, None)
         if failed:
-            for u, m in failed.items():  # its group is out of step or gone: a new one on rejoin
-                self.groups.pop(u, None)
-                self.failed[u] = m
+            # Its group is out of step or gone: released (an NCCL one destroyed, which also ends the
+            # kernel a timed-out broadcast left queued on the stream); a new one on rejoin.
+            self._release(list(failed))
+            self.failed.update(failed)
             dead = [u for u in failed if not healthy(u)]
             for u in failed:
                 if u not in dead:
@@ -564,6 +608,11 @@ class WeightSyncer:
             raise WeightSyncError(
                 f"weight sync to version {version} failed on {len(failed)} server(s), "
                 f"{len(ok)} got it; not responding: {', '.join(dead) or 'none'}; "
+                + (
+                    f"stuck in the NCCL receive (restart them): {', '.join(sorted(self.stuck))}; "
+                    if self.stuck
+                    else ""
+                )
                 + "; ".join(f"{u} failed in {m}" for u, m in failed.items())
             )
         mb = num_bytes / 1e6
@@ -595,6 +644,8 @@ class WeightSyncer:
             try:
                 self._nccl_broadcast(self.groups[urls[0]], full_tensors())
             except Exception as e:  # one group: it fails for everyone
+                if isinstance(e, TimeoutError):
+                    self.stuck.update(urls)
                 return num_bytes, {u: f"{type(e).__name__}: {e}" for u in urls}
             return num_bytes, {}
 
@@ -617,28 +668,37 @@ class WeightSyncer:
 
     def _nccl_broadcast(self, group, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         """vLLM's packed producer over the one communicator, on a thread we stop waiting for (an NCCL
-        broadcast to a dead peer has no timeout of its own)."""
+        broadcast to a dead peer has no timeout of its own), fed by the gathers on this thread (`_feed`)."""
+        on_gpu = torch.cuda.is_available()
+        if on_gpu:
+            device = torch.cuda.current_device()
+            # The producer reads the weights on side streams that do not wait for the stream the
+            # optimizer step ran on: let that step finish first.
+            torch.cuda.synchronize(device)
+
+        def send(items: Iterator) -> None:
+            if on_gpu:
+                torch.cuda.set_device(device)  # a new thread starts on device 0
+            self._produce(group, items)
+            if on_gpu:
+                torch.cuda.current_stream().synchronize()
+
+        _feed(send, tensors, self.transfer_timeout_s, "NCCL broadcast")
+
+    def _produce(self, group, items: Iterator[tuple[str, torch.Tensor]]) -> None:
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
-        device = torch.cuda.current_device()
-
-        def send() -> None:
-            torch.cuda.set_device(device)  # a new thread starts on device 0
-            packed_nccl_broadcast_producer(
-                iterator=tensors, group=group, src=0, post_iter_func=lambda item: item[1],
-                buffer_size_bytes=self.bucket_bytes, num_buffers=2,
-            )  # fmt: skip
-            torch.cuda.current_stream().synchronize()
-
-        _run_with_timeout(send, self.transfer_timeout_s, "NCCL broadcast")
+        packed_nccl_broadcast_producer(
+            iterator=items, group=group, src=0, post_iter_func=lambda item: item[1],
+            buffer_size_bytes=self.bucket_bytes, num_buffers=2,
+        )  # fmt: skip
 
     def close(self) -> None:
         """Release the groups on both sides; the servers keep serving."""
         live = [u for u in self.urls if u in self.groups and healthy(u)]
         if self.rank == 0 and live:
             _call_all(live, "/shutdown_weight_transfer_engine", [None] * len(live), self.http_timeout_s)
-        self.groups.clear()
-        self.stores.clear()
+        self._release(list(self.groups))
 
 
 def _materialize(p: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,12 @@ Each check prints one line, PASS or FAIL with its numbers; the exit code is 1 if
   3. gradient checkpointing with packing: the same gradient as without.
   4. FSDP2 with the MixedPrecisionPolicy on one rank (nccl on GPU, gloo on CPU): bf16 gathered weights,
      fp32 shards, the update of the unsharded model.
-  5. throughput: packed tokens/s and peak memory of train_step with gradient checkpointing.
+  5. top-k/top-p truncation in bf16: a train step on completions whose every token sits at the nucleus
+     edge (the least likely token fp32 keeps), where bf16 rounding can move it out of the kept set: no
+     trained token may get −inf, the loss and every gradient stay finite.
+  6. FSDP2 over 2 ranks (nccl) when 2 GPUs are visible: the update of the one-process step; skipped,
+     saying so, with one (on CPU: 2 gloo ranks).
+  7. throughput: packed tokens/s and peak memory of train_step with gradient checkpointing.
 The model is built from a Qwen2 config with random weights (nothing from the hub). Needs torch,
 transformers and aiohttp (train_async_grpo imports rollout.py); never vLLM.
 """
@@ -33,7 +38,7 @@ try:
     import train_async_grpo as T
     from batches import collate
     from distributed import shard_model
-    from sampling import Sampling, token_logprobs
+    from sampling import Sampling, keep_threshold, token_logprobs
 except ImportError as e:
     sys.exit(f"gpu_check: cannot import the trainer ({e}); `pip install aiohttp` if that is what is missing")
 
@@ -198,6 +203,98 @@ def check_fsdp(config, device, seqs, budget) -> None:
         dist.destroy_process_group()
 
 
+@torch.no_grad()
+def nucleus_edge(model, seqs: list[dict], sampling: Sampling, device) -> list[dict]:
+    """`seqs` with each completion token replaced, left to right, by the least likely token the fp32
+    model keeps under `sampling`: the token a server samples that bf16 rounding most easily drops."""
+    out = []
+    for s in seqs:
+        ids, start = list(s["ids"]), s["mask"].index(1)
+        for j in range(start, len(ids)):
+            logits = model(input_ids=torch.tensor([ids[:j]], device=device)).logits[0, -1].float()
+            scaled = logits / sampling.temperature
+            kept = scaled >= keep_threshold(scaled[None], sampling)[0]
+            ids[j] = int(torch.where(kept, scaled, torch.inf).argmin())
+        out.append({**s, "ids": ids})
+    return out
+
+
+def check_truncation(config, device, seqs, budget) -> None:
+    args = step_args("bf16", budget)
+    args.top_k, args.top_p, args.temperature = 50, 0.9, 1.0
+    sampling = Sampling(args.temperature, args.top_p, args.top_k)
+    model = build_model(config, device)
+    edge = nucleus_edge(
+        model.eval(),
+        [{**q, "ids": q["ids"][:40], "mask": q["mask"][:40]} for q in seqs[:4]],
+        sampling,
+        device,
+    )
+    mb = collate(edge, device)
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, mb["input_ids"], mb["position_ids"], sampling, bf16=True)
+    trained = lp[mb["loss_mask"].bool()]
+    dropped = int((~trained.isfinite()).sum())
+    metrics = one_step(model.train(), edge, args, device)
+    finite = all(q.grad is None or q.grad.isfinite().all() for q in model.parameters())
+    finite = finite and all(q.isfinite().all() for q in model.parameters())
+    ok = dropped == 0 and finite and torch.isfinite(torch.tensor(metrics["train/loss"]))
+    report(
+        "top-k 50 / top-p 0.9 in bf16",
+        bool(ok),
+        f"{dropped} of {trained.numel()} nucleus-edge tokens got −inf; loss {metrics['train/loss']:.4g}, "
+        f"gradients and weights finite {finite}",
+    )
+
+
+def _fsdp_two_ranks(rank: int, port: int, config, device_type: str, seqs, budget, out: Path) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))  # fmt: skip
+    from distributed import init_distributed  # nccl on GPU (rank r on cuda:r), gloo on CPU
+
+    torch.set_num_threads(1) if device_type == "cpu" else None
+    _, _, device = init_distributed(0, 600)
+    try:
+        args = step_args("bf16", budget)
+        model = build_model(config, device)
+        shard_model(model, "bf16")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+        T.train_step(model, None, optimizer, scheduler, seqs, args, rank, 2, device)
+        full = [q.full_tensor().detach().cpu() for q in model.parameters()]
+        if rank == 0:
+            torch.save(full, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def check_fsdp_two_ranks(config, device, seqs, budget) -> None:
+    name = "FSDP2 over 2 ranks"
+    if device.type == "cuda" and torch.cuda.device_count() < 2:
+        print(f"skip  {name}: {torch.cuda.device_count()} GPU visible, it needs 2", flush=True)
+        return
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from vllm_server import free_port
+
+    args = step_args("bf16", budget)
+    reference = build_model(config, device)
+    start = [q.detach().cpu().clone() for q in reference.parameters()]
+    one_step(reference, seqs, args, device, torch.optim.SGD(reference.parameters(), lr=0.5))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "weights.pt"
+        spawn_args = (free_port(), config, device.type, seqs, budget, out)
+        mp.spawn(_fsdp_two_ranks, args=spawn_args, nprocs=2, join=True)
+        full = torch.load(out)
+    u = torch.cat([(r.detach().cpu() - s).flatten() for r, s in zip(reference.parameters(), start)])
+    v = torch.cat([(f - s).flatten() for f, s in zip(full, start)])
+    rel = ((u - v).norm() / u.norm()).item()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    report(f"{name} ({backend})", rel < 0.05, f"update vs one process: relative difference {rel:.2e}")
+
+
 def check_throughput(config, device, seqs, budget, steps: int) -> None:
     model = build_model(config, device)
     model.gradient_checkpointing_enable()  # as the trainer on GPU
@@ -250,6 +347,8 @@ def main() -> None:
     check_packing(config, device, seqs)
     check_gradient_checkpointing(config, device, seqs, budget)
     check_fsdp(config, device, seqs, budget)
+    check_truncation(config, device, seqs, budget)
+    check_fsdp_two_ranks(config, device, seqs, budget)
     check_throughput(config, device, seqs, budget, args.steps)
     assert "vllm" not in sys.modules, "gpu_check imported vLLM"
     print(f"{sum(RESULTS)}/{len(RESULTS)} checks passed; vLLM not imported", flush=True)

@@ -9,11 +9,14 @@ import sys
 import textwrap
 import time
 import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import vllm_server
 from vllm_server import group_pids, start_vllm_server
 
 
@@ -91,3 +94,69 @@ def test_server_dies_with_a_killed_parent(tiny_model, tmp_path):
         assert group_pids(server_pgid) == [], "vLLM processes outlived the killed parent"
     finally:
         proc.kill()
+
+
+def test_num_servers_start_together_each_on_its_own_gpu(monkeypatch):
+    """`vllm_server.py --num-servers 3`: every server is launched before any is waited on (N cold
+    starts take the time of one), each waited on for --start-timeout, and server i gets GPU i of this
+    process's CUDA_VISIBLE_DEVICES. A mocked GPU box: launches are recorded, not run."""
+    events = []
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,5")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    server = vllm_server.VLLMServer
+    monkeypatch.setattr(
+        server, "_launch", lambda s: events.append(("launch", s.url, s.env["CUDA_VISIBLE_DEVICES"]))
+    )
+    monkeypatch.setattr(
+        server, "wait_healthy", lambda s, timeout_s: events.append(("wait", s.url, timeout_s))
+    )
+    monkeypatch.setattr(server, "alive", lambda s: False)  # main() returns once the servers are up
+    monkeypatch.setattr(server, "stop", lambda s, grace_s=10.0: None)
+    monkeypatch.setattr(vllm_server.signal, "signal", lambda *a: None)  # leave pytest's handlers alone
+    argv = ["vllm_server.py", "--num-servers", "3", "--port", "9100", "--start-timeout", "2400"]
+    monkeypatch.setattr(sys, "argv", argv)
+    vllm_server.main()
+    urls = [f"http://127.0.0.1:{9100 + i}" for i in range(3)]
+    assert events == [("launch", u, g) for u, g in zip(urls, ["2", "3", "5"])] + [
+        ("wait", u, 2400.0) for u in urls
+    ]
+
+
+@pytest.mark.timeout(120)
+def test_a_server_slower_than_the_start_timeout_fails_in_one_line(tiny_model):
+    """A real server given 1 s: the command exits 1 naming the server, the limit and its log, with no
+    traceback of ours."""
+    port = vllm_server.free_port()
+    cmd = [
+        sys.executable,
+        "vllm_server.py",
+        "--model",
+        str(tiny_model),
+        "--port",
+        str(port),
+        "--start-timeout",
+        "1",
+    ]
+    r = subprocess.run(
+        cmd, cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=100
+    )
+    assert r.returncode == 1, r.stderr[-2000:]
+    first = r.stderr.splitlines()[0]
+    assert first.startswith(
+        f"vllm_server.py: vLLM server http://127.0.0.1:{port} not healthy after 1 s; log "
+    ), first
+    assert not r.stderr.startswith("Traceback")
+
+
+def test_relaunch_restarts_exited_and_stuck_servers(tmp_path):
+    """heal's relaunch: a launched server that exited, and one the weight syncer names as stuck in an
+    NCCL receive (alive, answering /health), are both restarted; the others are left alone."""
+    restarted = []
+
+    def server(url: str, alive: bool) -> SimpleNamespace:
+        proc = SimpleNamespace(returncode=None if alive else -9, pid=1)
+        return SimpleNamespace(url=url, alive=lambda: alive, proc=proc, restart=lambda: restarted.append(url))
+
+    servers = [server("http://a", True), server("http://b", False), server("http://c", True)]
+    vllm_server.relaunch_exited(servers, tmp_path / "servers.json", stuck={"http://c"})
+    assert restarted == ["http://b", "http://c"]

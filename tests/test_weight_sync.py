@@ -125,6 +125,18 @@ def test_sync_one_server_twice(server_a):
     num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert metrics["sync/mb"] == pytest.approx(num_bytes / 1e6)
 
+    # A re-join (heal's, after a failed sync) releases the old group on both sides: the server's engine
+    # is shut down before it is told to join again, the trainer keeps one store, not one per join.
+    syncer.join([server_a.url])
+    syncer.join([server_a.url])
+    assert len(syncer.stores) == 1 and len(syncer.groups) == 1
+    calls = [
+        x.split('"POST ')[1].split()[0]
+        for x in server_a.log_path.read_text().splitlines()
+        if "_weight_transfer_engine HTTP" in x
+    ]
+    assert calls == ["/shutdown_weight_transfer_engine", "/init_weight_transfer_engine"] * 3, calls
+
     perturb(model, seed=2)  # the second sync must work too
     assert max_diff(model, server_a.url) > 10 * TOL
     metrics = syncer.sync(model.named_parameters(), version=2)
@@ -343,7 +355,7 @@ class FakeComm:
     named its port). A broadcast while a member is not receiving fails at once, where NCCL would hang."""
 
     def __init__(self, port: int, servers: list[FakeServer]):
-        self.port, self.servers, self.broadcasts = port, servers, 0
+        self.port, self.servers, self.broadcasts, self.destroyed = port, servers, 0, 0
 
     def members(self) -> list[FakeServer]:
         return [s for s in self.servers if s.init_ports and s.init_ports[-1] == self.port]
@@ -358,6 +370,9 @@ class FakeComm:
     def broadcast(self, buf, src, timeout):  # gloo's interface: returns a work to wait on
         self.check()
         return SimpleWork()
+
+    def destroy(self) -> None:  # PyNcclCommunicator's
+        self.destroyed += 1
 
 
 class SimpleWork:
@@ -455,3 +470,132 @@ def test_join_keeps_the_healthy_servers_when_one_is_dead(backend):
     syncer.sync(counting_params(), version=3)
     assert [servers[0].version, servers[2].version] == ["3", "3"]
     assert servers[0].calls[-1] == servers[2].calls[-1] == "/resume"  # served again, not left paused
+
+
+def test_nccl_rejoin_destroys_the_old_communicator_on_both_sides():
+    """heal's re-join re-forms the one communicator: the trainer destroys its old one (ncclCommAbort:
+    its GPU memory, and any kernel a failed broadcast left queued), and each server is told to shut its
+    engine down before it joins again (vLLM's NCCL engine would otherwise overwrite its communicator
+    and leak it, on servers sized to 0.9 of GPU memory)."""
+    servers = [FakeServer(), FakeServer()]
+    syncer, comms = fake_syncer("nccl", servers)
+    syncer.init()
+    syncer.join(syncer.urls)
+    syncer.join(syncer.urls)
+    assert [c.destroyed for c in comms] == [1, 1, 0]
+    for s in servers:
+        joins = [c for c in s.calls if c.endswith("_weight_transfer_engine")]
+        assert joins[-4:] == ["/shutdown_weight_transfer_engine", "/init_weight_transfer_engine"] * 2
+    syncer.sync(counting_params(), version=1)
+    assert comms[-1].broadcasts == 1 and [s.version for s in servers] == ["1", "1"]
+    syncer.close()
+    assert comms[-1].destroyed == 1
+
+
+def test_nccl_broadcast_timeout_destroys_the_communicator():
+    """An NCCL broadcast that times out (a server died mid-transfer) leaves its kernel queued on the
+    stream, where it would wedge every later sync: the communicator is destroyed (ncclCommAbort). The
+    surviving servers wait in vLLM's packed consumer (no timeout) while /health answers: they are
+    named as stuck (relaunch_exited restarts launched ones) and not re-joined until they come back
+    fresh; then they join a new communicator and take the next sync."""
+    servers = [FakeServer(), FakeServer()]
+    syncer, comms = fake_syncer("nccl", servers)
+
+    def hangs(group, tensors) -> None:
+        next(tensors)  # one buffer out, then the peer is gone
+        raise TimeoutError("NCCL broadcast did not finish within 5 s")
+
+    syncer.init()
+    syncer.sync(counting_params(), version=1)
+    working, syncer._nccl_broadcast = syncer._nccl_broadcast, hangs
+    with pytest.raises(WeightSyncError, match="NCCL broadcast did not finish") as e:
+        syncer.sync(counting_params(), version=2)
+    assert "stuck in the NCCL receive (restart them): " + ", ".join(sorted(syncer.urls)) in str(e.value)
+    assert comms[0].destroyed == 1 and syncer.groups == {} and syncer.stuck == set(syncer.urls)
+    assert syncer.out_of_step() == []  # alive, version 1, inside the receive: a join would hang
+    for s in servers:  # relaunched: a fresh server reports version "default"
+        s.version = "default"
+    syncer._nccl_broadcast = working
+    syncer.join(syncer.out_of_step())
+    syncer.sync(counting_params(), version=3)
+    assert len(comms) == 2 and comms[1].broadcasts == 1 and [s.version for s in servers] == ["3", "3"]
+    assert syncer.stuck == set() and syncer.failed == {}
+
+
+def _hang_rank(rank: int, port: int, out: Path) -> None:
+    """One FSDP rank (gloo) of a 2-rank trainer syncing over a fake one-server NCCL group whose first
+    broadcast hangs after two tensors (the server died mid-transfer)."""
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    from distributed import init_distributed, shard_model
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))  # fmt: skip
+    init_distributed(0, 60)
+    model = load_trainer_model("tiny")
+    shard_model(model)
+    if rank == 0:
+        servers = [FakeServer()]
+        syncer, comms = fake_syncer("nccl", servers)
+        del syncer._nccl_broadcast  # the real one: gathers here, the send on its thread
+        taken = []
+
+        def hangs(group, items) -> None:
+            taken.extend([next(items), next(items)])
+            time.sleep(3600)  # a broadcast to a dead peer: never returns
+
+        syncer._produce = hangs
+        syncer.init()
+    else:
+        syncer = WeightSyncer([], backend="nccl", rank=1)  # gathers only, as follow_rank0's
+    t0 = time.monotonic()
+    try:
+        syncer.sync(model.named_parameters(), version=1)
+        error = None
+    except WeightSyncError as e:
+        error = str(e)
+    dist.barrier()  # the next collective of the run: both ranks must reach it, in step
+    left_after = time.monotonic() - t0
+    if rank == 0:
+        received = []
+        syncer._produce = lambda group, items: received.extend(items)
+        syncer.join(syncer.out_of_step())
+        syncer.sync(model.named_parameters(), version=2)
+    else:
+        syncer.sync(model.named_parameters(), version=2)
+    dist.barrier()
+    if rank == 0:
+        every = [n for n, _ in received] == [n for n, _ in model.named_parameters()]
+        result = {"error": error, "left_after": left_after, "destroyed": comms[0].destroyed,
+                  "second": every, "version": servers[0].version}  # fmt: skip
+        (out / "rank0.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+    os._exit(0)  # the hung send thread is a daemon: do not wait for it
+
+
+@pytest.mark.timeout(300)
+def test_a_broadcast_that_hangs_mid_sync_leaves_every_fsdp_rank_in_step(tmp_path):
+    """2 FSDP ranks over gloo; rank 0's NCCL send hangs after two tensors. Rank 0 still makes every
+    gather (on its main thread, feeding the send thread through a bounded queue), so both ranks leave
+    the sync together and meet at the next collective; the sync fails naming the server, its
+    communicator is destroyed, and the next sync (a new communicator) sends every tensor."""
+    import json
+    import multiprocessing
+
+    from vllm_server import free_port
+
+    ctx, port = multiprocessing.get_context("spawn"), free_port()
+    procs = [ctx.Process(target=_hang_rank, args=(r, port, tmp_path)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    assert [p.exitcode for p in procs] == [0, 0]
+    r = json.loads((tmp_path / "rank0.json").read_text())
+    assert "NCCL broadcast did not finish within 5 s" in r["error"]
+    assert r["left_after"] < 60 and r["destroyed"] == 1
+    assert r["second"] and r["version"] == "2"
