@@ -1,14 +1,13 @@
 """Shared fixtures and the fast/slow split.
 
-Servers: one real vLLM server per model for the whole session, not one per module (a start-up costs
-~40 s on 2 cores). Both below serve the warm tiny model that `make tiny-model` builds (it calls tools, so
-multi-turn tests have real tool calls), and both start in the background when the session starts, so
-their start-ups overlap the unit tests that run first:
-- `vllm_server` keeps the model's own weights: tests compare its logprobs with the checkpoint on disk.
-- `trainer_server` is for runs that change its weights (the trainer pushes its own at start-up, so each
-  run begins from its own model whatever the last one left) and for faults that kill and restart it.
-Tests that need another server configuration (other flags, a killed parent, a network namespace) start
-their own.
+Servers: one real vLLM server on the warm tiny model (`make tiny-model`; it calls tools, so multi-turn
+tests have real tool calls) for the whole session, not one per module (a start-up costs ~40 s on 2
+cores). It starts in the background when collection ends, so its start-up overlaps the tests before its
+first use. Tests take it as one of two fixtures:
+- `vllm_server`: with the model's own weights (tests compare its logprobs with the checkpoint on disk);
+- `trainer_server`: for training runs, which push their weights into it, and faults that kill it.
+Tests that need another model or server configuration (other flags, a killed parent, a network
+namespace) start their own.
 
 The split: a test is `slow` when it uses a vLLM server, a warm model or a training run: it asks for a
 fixture named like a server (`*server*`) or listed in SLOW_FIXTURES, is marked `slow` itself, or is in
@@ -19,8 +18,9 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
-from vllm_server import VLLMServer, group_pids, start_vllm_server
+from vllm_server import VLLMServer, group_pids, healthy, start_vllm_server
 
 REPO = Path(__file__).resolve().parent.parent
 START_TIMEOUT = float(os.environ.get("VLLM_START_TIMEOUT", 600))
@@ -77,46 +77,69 @@ def served_model() -> Path:
     return model_dir("tiny-warm")
 
 
-_background: dict[str, VLLMServer] = {}
+_background: list[VLLMServer] = []  # the warm server, started at collection when a test will use it
+_weights = {"changed": False}  # True once a test was handed the server as `trainer_server`
 
 
 def pytest_collection_finish(session) -> None:
-    """Start the session's servers now, without waiting, when a collected test will use them."""
+    """Start the session's server now, without waiting: its start-up overlaps the tests before it."""
     names = {n for item in session.items for n in item.fixturenames}
-    if session.config.option.collectonly or not (REPO / "models" / "tiny-warm" / "config.json").exists():
-        return
-    for name in ("vllm_server", "trainer_server"):
-        if name in names:  # logs in a temp dir of their own (vllm-logs-*), named in a failed start's error
-            _background[name] = start_vllm_server(str(REPO / "models" / "tiny-warm"), wait=False)
-
-
-def _session_server(name: str, served_model: Path, tmp_path_factory) -> VLLMServer:
-    server = _background.pop(name, None) or start_vllm_server(
-        str(served_model), log_dir=tmp_path_factory.mktemp("vllm-logs"), wait=False
-    )
-    server.wait_healthy(START_TIMEOUT)
-    return server
+    model = REPO / "models" / "tiny-warm"
+    if not session.config.option.collectonly and names & {"vllm_server", "trainer_server"} and model.exists():
+        _background.append(start_vllm_server(str(model), wait=False))  # logs: a temp dir, vllm-logs-*
 
 
 @pytest.fixture(scope="session")
-def vllm_server(served_model, tmp_path_factory):
-    """The warm model's own weights: never synced into."""
-    server = _session_server("vllm_server", served_model, tmp_path_factory)
+def warm_server(served_model, tmp_path_factory):
+    """The session's one server on the warm model; tests take it as `vllm_server` or `trainer_server`."""
+    server = _background.pop() if _background else None
+    server = server or start_vllm_server(
+        str(served_model), log_dir=tmp_path_factory.mktemp("vllm"), wait=False
+    )
+    server.wait_healthy(START_TIMEOUT)
     yield server
     server.stop()
     assert group_pids(server.proc.pid) == [], "processes of the session's vLLM server outlived stop()"
 
 
-@pytest.fixture(scope="session")
-def trainer_server(served_model, tmp_path_factory):
-    """For training runs (`--vllm-url`) and faults: its weights are whatever the last run pushed, and a
-    test may kill it as long as it restarts it (`server.restart()` on the same port) before it ends."""
-    server = _session_server("trainer_server", served_model, tmp_path_factory)
-    yield server
-    server.stop()
-    assert group_pids(server.proc.pid) == [], "processes of the session's trainer server outlived stop()"
+def push_weights(url: str, model_path: Path, version: int = 0) -> None:
+    """Load `model_path`'s weights into the server at `url` (the trainer's own sync, as a client)."""
+    from transformers import AutoModelForCausalLM
+
+    from weight_sync import WeightSyncer  # imports vLLM: only when needed
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    syncer = WeightSyncer([url])
+    syncer.init()
+    try:
+        syncer.sync(model.named_parameters(), version=version)
+    finally:
+        syncer.close()
+
+
+@pytest.fixture(scope="module")
+def vllm_server(warm_server, served_model) -> VLLMServer:
+    """The warm model's own weights (tests compare its logprobs with the checkpoint on disk): pushed back
+    in first when a training run or a fault changed them (seconds; a restart would cost ~40 s)."""
+    if _weights["changed"]:
+        push_weights(warm_server.url, served_model)
+        _weights["changed"] = False
+    return warm_server
+
+
+@pytest.fixture(scope="module")
+def trainer_server(warm_server):
+    """For training runs (`--vllm-url`: the trainer pushes its own weights at start-up, so each run begins
+    from its model whatever the last one left) and faults: a test may kill it (it is restarted on the
+    same port after the module if its tests did not). Module-scoped, like `vllm_server`: a module takes
+    one or the other."""
+    _weights["changed"] = True
+    yield warm_server
+    if not healthy(warm_server.url):
+        warm_server.restart()
+        warm_server.wait_healthy(START_TIMEOUT)
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
-    for server in _background.values():  # started but never used (the tests that wanted it deselected)
+    for server in _background:  # started, never used (no test that wanted it ran: -x, a failed model)
         server.stop()
