@@ -160,6 +160,14 @@ def test_page_shows_every_completion_with_tokens_by_kind_hover_and_colour_toggle
     assert page.locator(".completion").count() == len(rows) == visible_completions(page)
     assert page.locator("#shown").inner_text() == str(len(rows))
     assert page.locator(".chart").count() >= 2  # reward and tool calls over steps, from metrics.jsonl
+    # Each chart names its series in the series' own colour, and no two series of a chart share one.
+    style = lambda x, prop: x.evaluate(f"e => getComputedStyle(e).{prop}")  # noqa: E731
+    for chart in page.locator(".chart").all():
+        lines, labels = chart.locator("polyline").all(), chart.locator(".lg").all()
+        assert len(labels) == len(lines) >= 1
+        strokes = [style(line, "stroke") for line in lines]
+        assert [style(label, "fill") for label in labels] == strokes and len(set(strokes)) == len(strokes)
+    assert max(len(chart.locator("polyline").all()) for chart in page.locator(".chart").all()) >= 2
     page.click("#expand")
     gen, tool, tmpl = (
         page.locator("main .tk.gen").first,
