@@ -33,7 +33,7 @@ from view_rollouts import main as write_viewer_page  # noqa: E402  (scripts/ is 
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from vllm_server import start_vllm_server  # noqa: E402
+from vllm_server import healthy, start_vllm_server  # noqa: E402
 
 # fmt: off
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -148,6 +148,10 @@ def main(argv: list[str] | None = None) -> dict:
     ) as server:
         summary["server_start_s"] = round(time.monotonic() - t0, 1)
         for env, steps in [("retool", args.retool_steps), ("math", args.math_steps)]:
+            if not healthy(server.url):  # died in the last run (the trainer relaunches only its own)
+                print(f"=== the vLLM server died; restarting it (log: {server.log_path})", flush=True)
+                server.restart()
+                server.wait_healthy(600)
             wall_s = run(env, steps, runs_dir / env, server.url, args)
             lines = load_metrics(runs_dir / env / "metrics.jsonl")
             summary["runs"][env] = summarize(lines, wall_s)
