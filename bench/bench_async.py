@@ -2,8 +2,12 @@
 with rollouts beside it; length bias on a heavy-tailed workload. One vLLM server, every run one after
 the other, `--repeats` runs per setting, medians.
 
-    python bench/bench_async.py [--staleness 0 1 2 4] [--repeats 3] [--steps 8] [--out bench/results.json]
-    python bench/bench_async.py --staleness 0 1 --repeats 1 --steps 3 --skip 1   # a smoke run, ~6 min
+    python bench/bench_async.py [--staleness 0 1 2 4] [--repeats 1] [--steps 8] [--out bench/results.json]
+    python bench/bench_async.py --repeats 3 --out bench/results.json   # README's figure 1 (`make bench-full`)
+    python bench/bench_async.py --staleness 0 1 --steps 3 --skip 1      # a smoke run, ~3 min
+
+One repeat (the default, `make bench`: 9 runs, ~8 min on 2 cores) gives every figure; three (~25 min)
+give medians and a spread of seconds per group, which README's table is built from.
 
 Cores: the server (every process of it, and its OMP threads) runs on --server-core, the trainer
 runs under `taskset -c --trainer-core` with OMP_NUM_THREADS=1, and `--rollout-cpus --server-core` moves
@@ -101,7 +105,7 @@ def main() -> None:
         "--model", default="models/tiny-warm", help="model the server serves and the trainer trains"
     )
     p.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 4], help="settings (first: 0)")
-    p.add_argument("--repeats", type=int, default=3, help="runs per setting (medians)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per setting (medians; README's table: 3)")
     p.add_argument("--steps", type=int, default=8, help="optimizer steps per run at the base batch")
     p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of every figure")
     p.add_argument("--prompts-per-step", type=int, default=2, help="groups per step")
@@ -169,7 +173,7 @@ def main() -> None:
     )
     command = "python bench/bench_async.py " + " ".join(sys.argv[1:])
     results = {
-        "async": {**figure, "settings": settings, "command": command},
+        "async": {**figure, "repeats": args.repeats, "settings": settings, "command": command},
         "async_heavy_tail": {
             "keep": medians(heavy[False]), "drop_stale": medians(heavy[True]),
             "settings": f"bench/heavy_tail_env.py on data/heavy_tail.jsonl (1-4 tool round trips, "

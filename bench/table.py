@@ -18,7 +18,7 @@ def rows(r: dict) -> list[tuple[str, str, str, str]]:
         out.append((
             "1a. async speedup over --max-staleness 0 (s per trained group)",
             f"{later('speedup')}x ({a['staleness_0']['s_per_group']} s/group at 0); "
-            f"mean reward {per('reward_mean')}",
+            f"mean reward {per('reward_mean')}; medians of {a.get('repeats', 3)} repeat(s)",
             "generation at s > 0 batches (s + 1)x the requests (1c), so this mixes overlap with batching",
             a["command"],
         ))  # fmt: skip

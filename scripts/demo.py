@@ -4,8 +4,9 @@
     python scripts/demo.py         # this script alone, once the models exist
     python scripts/demo.py --retool-steps 4 --math-steps 2 --eval-limit 8   # a quick smoke run
 
-Two runs of the real trainer (train_async_grpo.py, as subprocesses, each launching its own vLLM server:
-weight sync changes a server's weights, so the runs cannot share one), both from the warm start
+Two runs of the real trainer (train_async_grpo.py, as subprocesses) on one vLLM server started here (a
+start-up is ~45 s on 2 cores; each run pushes its own weights into the server before its first rollout,
+so the second starts from the warm start too, not from the first's weights), both from the warm start
 models/tiny-demo, which knows the tool-call format but rarely uses it:
   1. --env retool: the code_interpreter tool is offered;
   2. --env math:   the same problems, no tool.
@@ -31,6 +32,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from view_rollouts import main as write_viewer_page  # noqa: E402  (scripts/ is this script's dir)
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from vllm_server import healthy, start_vllm_server  # noqa: E402
 
 # fmt: off
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -58,13 +61,13 @@ TRAIN_ARGS = [
 # fmt: on
 
 
-def run(env: str, steps: int, out: Path, args) -> float:
-    """One training run as a subprocess; returns its wall time in seconds."""
+def run(env: str, steps: int, out: Path, url: str, args) -> float:
+    """One training run as a subprocess on the server at `url`; returns its wall time in seconds."""
     shutil.rmtree(out, ignore_errors=True)  # metrics.jsonl is appended to: start clean
     cmd = [
         sys.executable, str(REPO / "train_async_grpo.py"), "--model", args.model, "--env", env,
         "--output-dir", str(out), "--max-steps", str(steps), "--eval-every", str(args.eval_every),
-        "--eval-limit", str(args.eval_limit), "--seed", str(args.seed), *TRAIN_ARGS,
+        "--eval-limit", str(args.eval_limit), "--seed", str(args.seed), "--vllm-url", url, *TRAIN_ARGS,
     ]  # fmt: skip
     if env == "math":  # every group scores 0 without the tool: train on them (zero advantage, no update)
         cmd.append("--keep-zero-variance")  # rather than skip them all until the batch timeout
@@ -137,14 +140,26 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.monotonic()
     summary = {"model": args.model, "eval_limit": args.eval_limit, "train_args": TRAIN_ARGS, "runs": {}}
     viewer_page = None
-    for env, steps in [("retool", args.retool_steps), ("math", args.math_steps)]:
-        wall_s = run(env, steps, runs_dir / env, args)
-        lines = load_metrics(runs_dir / env / "metrics.jsonl")
-        summary["runs"][env] = summarize(lines, wall_s)
-        tool = "with" if env == "retool" else "without"
-        plot(lines, f"--env {env} ({tool} the code interpreter), {args.model}", docs_dir / f"demo_{env}.png")
-        if env == "retool":
-            viewer_page = write_viewer_page([str(runs_dir / env)])
+    # The server the trainer would launch (same context, same server seed), once for both runs.
+    print(f"=== starting a vLLM server on {args.model}", flush=True)
+    context = int(TRAIN_ARGS[TRAIN_ARGS.index("--max-context") + 1])
+    with start_vllm_server(
+        str(REPO / args.model), max_model_len=context, seed=args.seed, log_dir=runs_dir / "vllm-logs"
+    ) as server:
+        summary["server_start_s"] = round(time.monotonic() - t0, 1)
+        for env, steps in [("retool", args.retool_steps), ("math", args.math_steps)]:
+            if not healthy(server.url):  # died in the last run (the trainer relaunches only its own)
+                print(f"=== the vLLM server died; restarting it (log: {server.log_path})", flush=True)
+                server.restart()
+                server.wait_healthy(600)
+            wall_s = run(env, steps, runs_dir / env, server.url, args)
+            lines = load_metrics(runs_dir / env / "metrics.jsonl")
+            summary["runs"][env] = summarize(lines, wall_s)
+            tool = "with" if env == "retool" else "without"
+            title = f"--env {env} ({tool} the code interpreter), {args.model}"
+            plot(lines, title, docs_dir / f"demo_{env}.png")
+            if env == "retool":
+                viewer_page = write_viewer_page([str(runs_dir / env)])
     summary["wall_s"] = round(time.monotonic() - t0, 1)
     (docs_dir / "demo_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
@@ -155,7 +170,11 @@ def main(argv: list[str] | None = None) -> dict:
         acc = f"{r['accuracy_before']:.0%} → {r['accuracy_after']:.0%}"
         tool = f"{r['tool_call_rate_before']:.0%} → {r['tool_call_rate_after']:.0%}"
         print(f"{env:<8} {r['steps']:>5} {r['train_s']:>8.0f} {acc:>15} {tool:>15}")
-    print(f"total {summary['wall_s']:.0f} s; figures and demo_summary.json in {docs_dir}")
+    print(
+        f"total {summary['wall_s']:.0f} s (server start {summary['server_start_s']:.0f} s, runs "
+        + ", ".join(f"{env} {r['wall_s']:.0f} s" for env, r in summary["runs"].items())
+        + f"); figures and demo_summary.json in {docs_dir}"
+    )
     print(f"the retool run's completions, token by token: {viewer_page.resolve()} (open it in a browser)")
     return summary
 

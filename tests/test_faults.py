@@ -1,7 +1,7 @@
 """Fault injection on the real pipeline (models/tiny-warm, which calls the tool): the cases the module
 tests do not cover. `make faults` runs this file alone. Each case and its outcome is in README.md's
-"Fault tolerance" table. One server of our own (`own_server`) serves every case in file order; one case
-kills it and restarts it on the same port."""
+"Fault tolerance" table. The session's server (`trainer_server`, tests/conftest.py) serves every case in
+file order; one case kills it and restarts it on the same port."""
 
 import json
 import os
@@ -24,7 +24,7 @@ from checkpoint import latest_checkpoint
 from envs import load_env
 from envs.data import load_rows
 from rollout import AsyncRolloutWorker, VLLMClient
-from vllm_server import free_port, group_pids, healthy, start_vllm_server
+from vllm_server import group_pids, healthy
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = REPO / "models" / "tiny-warm"
@@ -85,17 +85,6 @@ def alive(pids: set[int]) -> set[int]:
     return live
 
 
-@pytest.fixture(scope="module")
-def own_server(tmp_path_factory):
-    """A server this file may kill: on a fixed port, so the restart case can come back on it."""
-    log_dir = tmp_path_factory.mktemp("faults-vllm")
-    port = free_port()
-    box = {"server": start_vllm_server(str(MODEL), port=port, log_dir=log_dir, timeout_s=START_TIMEOUT)}
-    box.update(port=port, log_dir=log_dir)
-    yield box
-    box["server"].stop()
-
-
 # ---------------------------------------------------------------------------------------------------
 # CASE 3 (sandbox part): a sandbox run dies with the process that started it, even by SIGKILL
 # ---------------------------------------------------------------------------------------------------
@@ -153,8 +142,8 @@ def _worker(server, make_episode, **kw) -> AsyncRolloutWorker:
 
 
 @pytest.mark.timeout(300)
-def test_queue_full_for_a_long_time_stays_bounded(own_server):
-    worker = _worker(own_server["server"], None, groups_per_version=2, max_staleness=1)
+def test_queue_full_for_a_long_time_stays_bounded(trainer_server):
+    worker = _worker(trainer_server, None, groups_per_version=2, max_staleness=1)
     bound = worker.queue.maxsize  # 2 groups per version × (1 + max_staleness)
     worker.start()
     try:
@@ -182,7 +171,7 @@ def test_queue_full_for_a_long_time_stays_bounded(own_server):
 
 
 @pytest.mark.timeout(300)
-def test_reward_that_raises_drops_groups_and_names_the_cause(own_server):
+def test_reward_that_raises_drops_groups_and_names_the_cause(trainer_server):
     env = load_env("retool")
 
     def make_episode(row):
@@ -194,7 +183,7 @@ def test_reward_that_raises_drops_groups_and_names_the_cause(own_server):
         ep.reward = reward
         return ep
 
-    worker = _worker(own_server["server"], make_episode, groups_per_version=2, group_retries=1)
+    worker = _worker(trainer_server, make_episode, groups_per_version=2, group_retries=1)
     worker.start()
     try:
         deadline = time.monotonic() + 240
@@ -203,7 +192,7 @@ def test_reward_that_raises_drops_groups_and_names_the_cause(own_server):
             time.sleep(0.2)
         args = SimpleNamespace(batch_timeout=1.0, max_staleness=1, keep_zero_variance=True)
         with pytest.raises(BatchTimeout) as e:
-            collect_groups(worker, 2, 0, args, [own_server["server"].url], {"stop": False})
+            collect_groups(worker, 2, 0, args, [trainer_server.url], {"stop": False})
     finally:
         worker.stop(timeout_s=5)
     assert worker.stats.groups_retried >= 2 and worker.stats.groups_done == 0
@@ -216,9 +205,9 @@ def test_reward_that_raises_drops_groups_and_names_the_cause(own_server):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("delay_s", [0.0, 1.5])
-def test_sigint_stops_fast_with_a_checkpoint(own_server, tmp_path, delay_s):
+def test_sigint_stops_fast_with_a_checkpoint(trainer_server, tmp_path, delay_s):
     out, log = tmp_path / "run", tmp_path / "run.log"
-    url = own_server["server"].url
+    url = trainer_server.url
     with open(log, "w") as f:
         proc = subprocess.Popen(trainer_cmd(out, 50, "--vllm-url", url), cwd=REPO, stdout=f, stderr=f)
     try:
@@ -264,13 +253,13 @@ T.main(sys.argv[1:])
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_sigint_inside_the_optimizer_update_leaves_a_consistent_checkpoint(own_server, tmp_path):
+def test_sigint_inside_the_optimizer_update_leaves_a_consistent_checkpoint(trainer_server, tmp_path):
     """Ctrl-C is deferred in one process too: the step finishes, the run stops before the next one, and
     the checkpoint's step, weights and AdamW state all belong to the same step."""
     out, log = tmp_path / "run", tmp_path / "run.log"
     marker, checksums = tmp_path / "in-update", tmp_path / "checksums.json"
     code = SLOW_OPTIMIZER.format(repo=str(REPO), marker=str(marker), checksums=str(checksums))
-    cmd = trainer_cmd(out, 50, "--vllm-url", own_server["server"].url)
+    cmd = trainer_cmd(out, 50, "--vllm-url", trainer_server.url)
     cmd[1:2] = ["-c", code]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=f)
@@ -299,9 +288,9 @@ def test_sigint_inside_the_optimizer_update_leaves_a_consistent_checkpoint(own_s
 # ---------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_server_killed_mid_rollout_and_restarted_the_run_goes_on(own_server, tmp_path):
+def test_server_killed_mid_rollout_and_restarted_the_run_goes_on(trainer_server, tmp_path):
     out, log = tmp_path / "run", tmp_path / "run.log"
-    server, steps = own_server["server"], 5
+    server, steps = trainer_server, 5
     with open(log, "w") as f:
         proc = subprocess.Popen(
             trainer_cmd(out, steps, "--vllm-url", server.url), cwd=REPO, stdout=f, stderr=f

@@ -1,6 +1,6 @@
 """The rollout viewer on a real run: train_async_grpo.py as a subprocess for 2 steps on models/tiny-warm
-with --log-completions-every 1 (its own vLLM server: the run changes the server's weights, so not the
-session's shared one), then scripts/view_rollouts.py, and the page driven in a real headless browser
+with --log-completions-every 1 (on the session's server as `trainer_server`: the run pushes its weights into
+it), then scripts/view_rollouts.py, and the page driven in a real headless browser
 (Debian's Chromium through Playwright's Python package; never a browser Playwright downloads).
 
 VIEWER_RECORDED_RUN=DIR reuses the run dir of an earlier recording instead of training again (for
@@ -21,7 +21,7 @@ IS_CAP = 2.0
 
 
 @pytest.fixture(scope="module")
-def recorded_run(tmp_path_factory) -> tuple[Path, list[dict]]:
+def recorded_run(request, tmp_path_factory) -> tuple[Path, list[dict]]:
     """(run dir, completions.jsonl rows) of one short real run."""
     if os.environ.get("VIEWER_RECORDED_RUN"):
         out = Path(os.environ["VIEWER_RECORDED_RUN"])
@@ -35,7 +35,7 @@ def recorded_run(tmp_path_factory) -> tuple[Path, list[dict]]:
             "--output-dir", str(out), "--max-steps", "2", "--prompts-per-step", "2", "--num-generations", "4",
             "--max-context", "512", "--max-turns", "2", "--keep-zero-variance", "--lr", "1e-4",
             "--is-cap", str(IS_CAP), "--log-completions-every", "1", "--save-every", "1000",
-            "--batch-timeout", "300",
+            "--batch-timeout", "300", "--vllm-url", request.getfixturevalue("trainer_server").url,
         ]  # fmt: skip
         r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -160,6 +160,14 @@ def test_page_shows_every_completion_with_tokens_by_kind_hover_and_colour_toggle
     assert page.locator(".completion").count() == len(rows) == visible_completions(page)
     assert page.locator("#shown").inner_text() == str(len(rows))
     assert page.locator(".chart").count() >= 2  # reward and tool calls over steps, from metrics.jsonl
+    # Each chart names its series in the series' own colour, and no two series of a chart share one.
+    style = lambda x, prop: x.evaluate(f"e => getComputedStyle(e).{prop}")  # noqa: E731
+    for chart in page.locator(".chart").all():
+        lines, labels = chart.locator("polyline").all(), chart.locator(".lg").all()
+        assert len(labels) == len(lines) >= 1
+        strokes = [style(line, "stroke") for line in lines]
+        assert [style(label, "fill") for label in labels] == strokes and len(set(strokes)) == len(strokes)
+    assert max(len(chart.locator("polyline").all()) for chart in page.locator(".chart").all()) >= 2
     page.click("#expand")
     gen, tool, tmpl = (
         page.locator("main .tk.gen").first,
