@@ -12,6 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import vllm_server
+from batches import StreamPosition
 from checkpoint import load_checkpoint, save_checkpoint
 from distributed import init_distributed, plan_devices, shard_model
 
@@ -83,7 +84,13 @@ def test_the_start_up_probe_uses_the_bf16_bound_when_either_side_is_bf16(
     monkeypatch.setattr(T.signal, "signal", lambda *a: None)
     args = T.parser.parse_args(["--model", "m", "--compute-dtype", compute_dtype])
     run = SimpleNamespace(
-        args=args, out_dir=tmp_path, servers=[], model=None, version=0, world_size=1, position=0
+        args=args,
+        out_dir=tmp_path,
+        servers=[],
+        model=None,
+        version=0,
+        world_size=1,
+        position=StreamPosition(),
     )
     template = SimpleNamespace(prompt_ids=lambda messages: [1, 2])
     T.start_rollouts(run, ["0"], template, lambda row: SimpleNamespace(messages=[]), [{}], "cpu", None)
@@ -177,7 +184,7 @@ def test_resume_under_fsdp_reads_the_state_file_on_rank_0_only(tiny_model, tmp_p
     del model, optimizer
     mp.spawn(_resume_rank, args=(vllm_server.free_port(), tiny_model, ckpt, tmp_path), nprocs=2, join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert [r["loaded"] for r in ranks] == [[3, 2, 17]] * 2
+    assert [r["loaded"] for r in ranks] == [[3, 2, 17, []]] * 2
     assert [r["epoch"] for r in ranks] == [1, 1]
     assert ranks[0]["same"]
     assert ranks[1]["growth_bytes"] < size, (ranks[1]["growth_bytes"], size)
