@@ -41,7 +41,7 @@ from records import (
     TurnRecord,
     group_metrics,
 )
-from sampling import Sampling, request_seed
+from sampling import FidelityError, ProbeSample, Sampling, probe_server, request_seed
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ class Generation:
     ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    top: list[dict[int, float]] | None = None  # per token, when asked (logprobs: N, token ids as keys)
 
 
 @dataclass
@@ -233,7 +234,12 @@ class VLLMClient:
             # Never re-tokenize text to recover ids: the whole group is aborted and re-queued instead.
             self.stats.missing_logprobs += 1
             raise GenerationError(f"{url}: response has token ids but no matching logprobs")
-        return Generation(list(ids), [float(lp) for lp in logprobs], choice.get("finish_reason") or "stop")
+        top = (choice.get("logprobs") or {}).get("top_logprobs")
+        if top is not None:  # "token_id:N" keys (return_tokens_as_token_ids): the fidelity probe's
+            top = [{int(k.rsplit(":", 1)[1]): float(v) for k, v in d.items()} for d in top]
+        return Generation(
+            list(ids), [float(lp) for lp in logprobs], choice.get("finish_reason") or "stop", top
+        )
 
 
 class _Retryable(Exception):
@@ -246,6 +252,30 @@ class _ServerGone(_Retryable):
     def __init__(self, message: str, aborted: bool = False):
         super().__init__(message)
         self.aborted = aborted
+
+
+def probe(
+    url: str, model_name: str, prompts: list[list[int]], sampling: Sampling, seed: int, bare: bool = True
+) -> dict[str, list[ProbeSample]]:
+    """sampling.probe_server on one server through a client of its own (the fidelity probe at start-up
+    and after each sync). Raises FidelityError when the server returns no token ids or no logprobs."""
+
+    async def go():
+        client = VLLMClient([url], model_name, request_timeout_s=60.0, max_retries=2)
+        await client.open()
+        try:
+            return await probe_server(client.generate, prompts, sampling, seed, bare)
+        finally:
+            await client.close()
+
+    try:
+        return asyncio.run(go())
+    except GenerationError as e:
+        raise FidelityError(
+            f"fidelity probe: {url} did not return token ids with one logprob each ({e}); the trainer needs "
+            "a vLLM server that honours return_token_ids and logprobs (start it with vllm_server.py, or "
+            "`--logprobs-mode processed_logprobs`)"
+        ) from e
 
 
 # ---------------------------------------------------------------------------------------------------
