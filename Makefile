@@ -86,6 +86,7 @@ bench: install tiny-model
 	$(PY) bench/bench_rollout.py --out bench/results.json
 	$(PY) bench/bench_weight_sync.py --widen 8 --out bench/results.json
 	$(PY) bench/bench_sandbox.py --out bench/results.json
+	$(PY) bench/bench_fidelity.py --out bench/results.json
 	$(PY) bench/table.py bench/results.json  # the README's table
 
 # The trainer's GPU path without vLLM (bf16 over fp32 masters, packing on sdpa/flash-attention, gradient
