@@ -161,7 +161,9 @@ class VLLMClient:
                     continue
                 finally:
                     self.inflight[url] -= 1
-                return self._to_generation(url, data)
+                return self._to_generation(
+                    url, data, with_top=bool(sampling.get("return_tokens_as_token_ids"))
+                )
         raise AssertionError("unreachable")
 
     async def _pick_server(self) -> str:
@@ -227,16 +229,17 @@ class VLLMClient:
             raise _ServerGone("request aborted by the server", aborted=True)
         return choice
 
-    def _to_generation(self, url: str, choice: dict) -> Generation:
+    def _to_generation(self, url: str, choice: dict, with_top: bool = False) -> Generation:
         ids = choice.get("token_ids")
         logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
         if ids is None or logprobs is None or len(logprobs) != len(ids) or any(lp is None for lp in logprobs):
             # Never re-tokenize text to recover ids: the whole group is aborted and re-queued instead.
             self.stats.missing_logprobs += 1
             raise GenerationError(f"{url}: response has token ids but no matching logprobs")
-        top = (choice.get("logprobs") or {}).get("top_logprobs")
-        if top is not None:  # "token_id:N" keys (return_tokens_as_token_ids): the fidelity probe's
-            top = [{int(k.rsplit(":", 1)[1]): float(v) for k, v in d.items()} for d in top]
+        top = None
+        if with_top:  # the fidelity probe's: "token_id:N" keys (return_tokens_as_token_ids)
+            top_logprobs = choice["logprobs"].get("top_logprobs") or []
+            top = [{int(k.rsplit(":", 1)[1]): float(v) for k, v in d.items()} for d in top_logprobs]
         return Generation(
             list(ids), [float(lp) for lp in logprobs], choice.get("finish_reason") or "stop", top
         )
