@@ -227,9 +227,12 @@ def follow_rank0(model, ref_model, optimizer, scheduler, tokenizer, args, out_di
     while True:
         message = broadcast_message(None, world_size)
         if "batch" in message:
-            train_step(
-                model, ref_model, optimizer, scheduler, message["batch"], args, rank, world_size, device
-            )
+            try:
+                train_step(
+                    model, ref_model, optimizer, scheduler, message["batch"], args, rank, world_size, device
+                )
+            except NonFiniteWeights:  # every rank raised it; rank 0 says so and sends stop
+                pass
         elif "sync" in message:
             sync_weights(syncer, model, message["sync"])
         elif "rescore" in message:
