@@ -141,25 +141,34 @@ def test_per_sync_check_resyncs_a_server_given_other_weights_and_takes_out_one_t
         assert _weight_version(good.url) == "1"
         with pytest.raises(FidelityError, match="another distribution"):
             probe_and_verify(good.url, False)
-        # A client routing by our version, with a long request in flight on the server that stays out.
+        # A client routing by our version keeps requests in flight on the server that stays out, as
+        # the rollout worker does, while the check runs.
         client = VLLMClient([raw.url], str(served_model), max_retries=0, expected_version=lambda: 1)
+        failures = []
 
-        async def long_request_during_the_check():
+        async def requests_during_the_check():
             await client.open()
+
+            async def keep_busy():
+                while raw.url not in client.down:
+                    try:
+                        await client.generate(
+                            prompts[0], 64, {**Sampling(0.7).request_fields(), "ignore_eos": True}
+                        )
+                    except GenerationError as e:
+                        failures.append(str(e))
+
+            busy = asyncio.create_task(keep_busy())
             try:
-                request = asyncio.create_task(
-                    client.generate(prompts[0], 400, {**Sampling(0.7).request_fields(), "ignore_eos": True})
-                )
-                await asyncio.sleep(0.5)
                 metrics = await asyncio.to_thread(verify_after_sync, run)
-                with pytest.raises(GenerationError):
-                    await request
-                await asyncio.sleep(3)  # the client probes a down server every second
+                await asyncio.wait_for(busy, timeout=30)  # the abort takes it out of routing
+                await asyncio.sleep(3)  # the client probes a down server every second: not readmitted
                 return metrics
             finally:
+                busy.cancel()
                 await client.close()
 
-        metrics = asyncio.run(long_request_during_the_check())
+        metrics = asyncio.run(requests_during_the_check())
     finally:
         run.syncer.close()
     err = capsys.readouterr().err
@@ -171,3 +180,4 @@ def test_per_sync_check_resyncs_a_server_given_other_weights_and_takes_out_one_t
     assert len([x for x in err.splitlines() if f"{raw.url} taken out of routing" in x]) == 1
     assert _weight_version(good.url) == "1" and _weight_version(raw.url) == "out-of-step"
     assert client.down == {raw.url}, "the server that stays out is still routed to"
+    assert failures and "went away mid-rollout" in failures[-1]
