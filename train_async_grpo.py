@@ -710,7 +710,7 @@ def main(argv: list[str] | None = None) -> None:
                 t_last += metrics["perf/eval_s"]  # eval time is not the next step's
             log_step(run, metrics, sandbox_mode, groups, logged, traced)  # sandbox_mode: first line only
             sandbox_mode = {}
-            if run.nonfinite_in_row >= args.max_nonfinite_steps:
+            if nonfinite and run.nonfinite_in_row >= args.max_nonfinite_steps:  # 0: the first stops
                 run.last_saved = run.step
                 raise NonFiniteSteps(
                     f"{run.nonfinite_in_row} non-finite steps in a row (--max-nonfinite-steps), last: "
