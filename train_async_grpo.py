@@ -403,7 +403,9 @@ def start_rollouts(
     bf16 = args.compute_dtype == "bf16"  # and the servers then run bf16 too: a looser, KL bound
 
     def probe_and_verify(url: str, bare: bool) -> dict[str, float]:
-        samples = probe(url, model_name, probe_prompts, sampling_of(args), args.seed, bare)
+        # After a sync (bare=False) two prompts are enough to see other weights, at half the cost.
+        prompts = probe_prompts if bare else probe_prompts[:PER_SYNC_PROMPTS]
+        samples = probe(url, model_name, prompts, sampling_of(args), args.seed, bare)
         return verify_server(url, samples, run.model, bf16, run.world_size, device)
 
     run.probe = probe_and_verify
@@ -467,6 +469,9 @@ def sync_if_due(run: Run) -> dict[str, float]:
             sync.update(verify_after_sync(run))
         run.worker.set_version(run.version)
     return sync
+
+
+PER_SYNC_PROMPTS = 2  # of the start-up probe's 4: the check's cost is their re-scoring forwards
 
 
 def verify_after_sync(run: Run) -> dict[str, float]:

@@ -3,7 +3,7 @@
     python bench/bench_fidelity.py [--model models/tiny-warm] [--repeats 5] [--out bench/results.json]
 
 One real vLLM server on the model; the check is what train_async_grpo.verify_after_sync runs for each
-server after a sync: the probe's 4 seeded 16-token completions with their top-20 logprobs
+server after a sync: the probe's PER_SYNC_PROMPTS (2) seeded 16-token completions with their top-20 logprobs
 (rollout.probe, run request only) re-scored by the trainer (sampling.verify_server). The step is one
 train_step on a batch of the default shape (--prompts-per-step 8 × --num-generations 8 sequences of
 ~300 tokens, random ids: the cost does not depend on them). Both medians over --repeats, in the same
@@ -28,6 +28,7 @@ from envs import episode_maker  # noqa: E402
 from envs.data import load_rows  # noqa: E402
 from rollout import probe  # noqa: E402
 from sampling import Sampling, verify_server  # noqa: E402
+from train_async_grpo import PER_SYNC_PROMPTS  # noqa: E402
 from trainer import train_step  # noqa: E402
 from vllm_server import start_vllm_server  # noqa: E402
 
@@ -45,7 +46,7 @@ def main() -> None:
     template = ChatTemplate(
         AutoTokenizer.from_pretrained(args.model), getattr(make_episode(rows[0]), "tools", None)
     )
-    prompts = [template.prompt_ids(make_episode(r).messages) for r in rows[:4]]
+    prompts = [template.prompt_ids(make_episode(r).messages) for r in rows[:PER_SYNC_PROMPTS]]
     gen = torch.Generator().manual_seed(0)
     seqs = [
         {"ids": torch.randint(0, 500, (300,), generator=gen).tolist(), "mask": [0] * 150 + [1] * 150,
@@ -56,7 +57,7 @@ def main() -> None:
         micro_batch_tokens=4096, temperature=1.0, top_p=1.0, top_k=0, eps_low=0.2, eps_high=0.28, is_cap=2.0,
         loss_norm="token", kl_beta=0.0, max_grad_norm=1.0, mini_batches=1, compute_dtype="fp32",
     )  # fmt: skip
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # the full step; the server stays in step
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     server = start_vllm_server(args.model, log_dir="runs/bench-fidelity-logs", timeout_s=600)
     try:
