@@ -182,15 +182,18 @@ def mismatch(samples: list[ProbeSample], scored: list[Scored]) -> tuple[float, f
     """Between vLLM's and the trainer's logprobs: (max |Δ logprob| over the sampled tokens and the TOP_N
     logprobs of every position, mean k3 KL(μ ‖ π) per sampled token, rms |Δ| over the TOP_N logprobs).
     The max covers the TOP_N because a peaked model's sampled token hides what moves its tail (another
-    temperature, raw logprobs, a penalty). A TOP_N entry vLLM gives as −inf (outside a truncated set) is
-    skipped; one the trainer gives as −inf where vLLM does not is an infinite gap."""
+    temperature, raw logprobs, a penalty). A TOP_N entry either side gives as −inf (outside its truncated
+    set: near-uniform logits can put the top-p boundary one token apart) is skipped; a sampled token the
+    trainer gives as −inf is an infinite gap."""
     mu = torch.tensor([x for s in samples for x in s.behaviour_logprobs], dtype=torch.float64)
     pi = torch.tensor([x for lp, _ in scored for x in lp], dtype=torch.float64)
     log_ratio = pi - mu
     k3 = (log_ratio.exp() - 1 - log_ratio).mean().item() if len(mu) else 0.0
     top_mu = torch.tensor([v for s in samples for d in s.top for v in d.values()], dtype=torch.float64)
     top_pi = torch.tensor([v for _, top in scored for row in top for v in row], dtype=torch.float64)
-    kept = torch.isfinite(top_mu)
+    kept = torch.isfinite(top_mu) & torch.isfinite(
+        top_pi
+    )  # a truncation boundary: the sampled tokens judge it
     top_gap = top_pi[kept] - top_mu[kept]
     top_rms = top_gap.pow(2).mean().sqrt().item() if kept.any() else 0.0
     return torch.cat([log_ratio, top_gap]).abs().max().item() if len(mu) else 0.0, k3, top_rms

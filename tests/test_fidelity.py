@@ -143,7 +143,10 @@ def test_per_sync_check_resyncs_a_server_given_other_weights_and_takes_out_one_t
             probe_and_verify(good.url, False)
         # A client routing by our version keeps requests in flight on the server that stays out, as
         # the rollout worker does, while the check runs.
-        client = VLLMClient([raw.url], str(served_model), max_retries=0, expected_version=lambda: 1)
+        # A request that reaches it after the pause waits there (vLLM queues it) until its timeout.
+        client = VLLMClient(
+            [raw.url], str(served_model), max_retries=0, request_timeout_s=10, expected_version=lambda: 1
+        )
         failures = []
 
         async def requests_during_the_check():
@@ -158,10 +161,10 @@ def test_per_sync_check_resyncs_a_server_given_other_weights_and_takes_out_one_t
                     except GenerationError as e:
                         failures.append(str(e))
 
-            busy = asyncio.create_task(keep_busy())
+            busy = asyncio.gather(*(keep_busy() for _ in range(4)))  # always some in flight
             try:
                 metrics = await asyncio.to_thread(verify_after_sync, run)
-                await asyncio.wait_for(busy, timeout=30)  # the abort takes it out of routing
+                await asyncio.wait_for(busy, timeout=60)  # the abort takes it out of routing
                 await asyncio.sleep(3)  # the client probes a down server every second: not readmitted
                 return metrics
             finally:
