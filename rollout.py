@@ -41,7 +41,7 @@ from records import (
     TurnRecord,
     group_metrics,
 )
-from sampling import Sampling, request_seed
+from sampling import FidelityError, ProbeSample, Sampling, probe_server, request_seed
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ class Generation:
     ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    top: list[dict[int, float]] | None = None  # per token, when asked (logprobs: N, token ids as keys)
 
 
 @dataclass
@@ -160,7 +161,9 @@ class VLLMClient:
                     continue
                 finally:
                     self.inflight[url] -= 1
-                return self._to_generation(url, data)
+                return self._to_generation(
+                    url, data, with_top=bool(sampling.get("return_tokens_as_token_ids"))
+                )
         raise AssertionError("unreachable")
 
     async def _pick_server(self) -> str:
@@ -226,14 +229,20 @@ class VLLMClient:
             raise _ServerGone("request aborted by the server", aborted=True)
         return choice
 
-    def _to_generation(self, url: str, choice: dict) -> Generation:
+    def _to_generation(self, url: str, choice: dict, with_top: bool = False) -> Generation:
         ids = choice.get("token_ids")
         logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
         if ids is None or logprobs is None or len(logprobs) != len(ids) or any(lp is None for lp in logprobs):
             # Never re-tokenize text to recover ids: the whole group is aborted and re-queued instead.
             self.stats.missing_logprobs += 1
             raise GenerationError(f"{url}: response has token ids but no matching logprobs")
-        return Generation(list(ids), [float(lp) for lp in logprobs], choice.get("finish_reason") or "stop")
+        top = None
+        if with_top:  # the fidelity probe's: "token_id:N" keys (return_tokens_as_token_ids)
+            top_logprobs = choice["logprobs"].get("top_logprobs") or []
+            top = [{int(k.rsplit(":", 1)[1]): float(v) for k, v in d.items()} for d in top_logprobs]
+        return Generation(
+            list(ids), [float(lp) for lp in logprobs], choice.get("finish_reason") or "stop", top
+        )
 
 
 class _Retryable(Exception):
@@ -246,6 +255,30 @@ class _ServerGone(_Retryable):
     def __init__(self, message: str, aborted: bool = False):
         super().__init__(message)
         self.aborted = aborted
+
+
+def probe(
+    url: str, model_name: str, prompts: list[list[int]], sampling: Sampling, seed: int, bare: bool = True
+) -> dict[str, list[ProbeSample]]:
+    """sampling.probe_server on one server through a client of its own (the fidelity probe at start-up
+    and after each sync). Raises FidelityError when the server returns no token ids or no logprobs."""
+
+    async def go():
+        client = VLLMClient([url], model_name, request_timeout_s=60.0, max_retries=2)
+        await client.open()
+        try:
+            return await probe_server(client.generate, prompts, sampling, seed, bare)
+        finally:
+            await client.close()
+
+    try:
+        return asyncio.run(go())
+    except GenerationError as e:
+        raise FidelityError(
+            f"fidelity probe: {url} did not return token ids with one logprob each ({e}); the trainer needs "
+            "a vLLM server that honours return_token_ids and logprobs (start it with vllm_server.py, or "
+            "`--logprobs-mode processed_logprobs`)"
+        ) from e
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -118,10 +118,18 @@ from metrics import (
     rollout_metrics,
     write_completions,
 )
-from rollout import AsyncRolloutWorker, VLLMClient
+from rollout import AsyncRolloutWorker, VLLMClient, probe
 from rollout_process import RolloutProcess
-from sampling import FidelityError, probe_fidelity
-from trainer import follow_rank0, load_models, load_tokenizer, sampling_of, sync_weights, train_step
+from sampling import TOP_N, FidelityError, verify_server, worst_gaps
+from trainer import (
+    NonFiniteWeights,
+    follow_rank0,
+    load_models,
+    load_tokenizer,
+    sampling_of,
+    sync_weights,
+    train_step,
+)
 from vllm_server import healthy, relaunch_exited, served_model_name, write_servers_file
 
 # fmt: off
@@ -182,6 +190,10 @@ parser.add_argument("--compute-dtype", choices=["bf16", "fp32"],
 parser.add_argument("--micro-batch-tokens", type=int, default=4096, help="packed tokens per forward pass")
 parser.add_argument("--mini-batches", type=int, default=1, help="optimizer steps per batch (> 1: live clip)")
 parser.add_argument("--sync-every", type=int, default=1, help="weight sync every N steps (a model version)")
+parser.add_argument("--fidelity-every", type=int, default=1,
+                    help="after every N-th sync, re-score each server's probe with new weights (0: never)")
+parser.add_argument("--max-nonfinite-steps", type=int, default=3,
+                    help="non-finite steps in a row (not applied, not synced) that stop the run, exit 1")
 # Logging and checkpoints
 parser.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (and at the end)")
 parser.add_argument("--resume", nargs="?", const="latest", help="checkpoint dir; bare: --output-dir's latest")
@@ -374,6 +386,10 @@ class Run:
     servers: list = field(default_factory=list)  # launched here; none with --vllm-url
     syncer: object = None  # weight_sync.WeightSyncer, once the servers are up
     worker: object = None  # rollout_process.RolloutProcess, once the servers are up
+    probe: object = None  # url, bare -> the fidelity gaps of that server (FidelityError beyond the bound)
+    nonfinite_steps: int = 0  # steps whose update was not applied (a non-finite loss or gradient)
+    nonfinite_in_row: int = 0
+    servers_out: list = field(default_factory=list)  # taken out of the run by the per-sync check
 
 
 def save(run: Run) -> Path:
@@ -450,8 +466,20 @@ def start_rollouts(
     sync_weights(run.syncer, run.model, run.version, run.world_size)
     probe_prompts = [template.prompt_ids(make_episode(r).messages) for r in rows[:4]]
     bf16 = args.compute_dtype == "bf16" or serving_dtype == "bfloat16"  # either side bf16: the KL bound
-    fidelity = probe_fidelity(
-        urls, model_name, run.model, probe_prompts, sampling_of(args), args.seed, bf16, run.world_size, device
+
+    def probe_and_verify(url: str, bare: bool) -> dict[str, float]:
+        # After a sync (bare=False) two prompts are enough to see other weights, at half the cost.
+        prompts = probe_prompts if bare else probe_prompts[:PER_SYNC_PROMPTS]
+        samples = probe(url, model_name, prompts, sampling_of(args), args.seed, bare)
+        return verify_server(url, samples, run.model, bf16, run.world_size, device)
+
+    run.probe = probe_and_verify
+    fidelity = worst_gaps([run.probe(u, bare=True) for u in urls])
+    print(
+        f"fidelity probe: {len(urls)} server(s) sample what the trainer scores (max |Δ logprob| "
+        f"{fidelity['fidelity/max_abs_diff']:.2g}, mismatch KL {fidelity['fidelity/mismatch_kl']:.2g}, "
+        f"bare request's top-{TOP_N} gap {fidelity['fidelity/bare_top_rms_diff']:.2g} nats rms)",
+        flush=True,
     )
     # The worker is built in its own process (the same tokenizer, env and rows) while the start-up eval
     # runs, and admits groups from run.worker.start() on.
@@ -503,8 +531,86 @@ def sync_if_due(run: Run) -> dict[str, float]:
         except WeightSyncError as e:
             print(f"\nstep {run.step}: {e}", file=sys.stderr, flush=True)
         sync["sync/servers_failed"] = float(len(run.syncer.failed))
+        if run.args.fidelity_every and run.version % run.args.fidelity_every == 0:
+            sync.update(verify_after_sync(run))
         run.worker.set_version(run.version)
     return sync
+
+
+PER_SYNC_PROMPTS = 2  # of the start-up probe's 4: the check's cost is their re-scoring forwards
+
+
+def verify_after_sync(run: Run) -> dict[str, float]:
+    """Round-trip check of a sync: each server that took it samples the probe's short seeded
+    completions, and the trainer re-scores them with the weights it just sent (the start-up probe's
+    run request and bounds). A server beyond them is out of step: it is re-synced and checked again,
+    and if it stays out, taken out of the run (`take_out`). Returns the fidelity/ keys (worst over
+    servers)."""
+    from weight_sync import WeightSyncError
+
+    t0, gaps, resynced = time.monotonic(), [], 0
+    for url in [u for u in run.syncer.urls if u in run.syncer.groups and u not in run.syncer.failed]:
+        try:
+            gaps.append(run.probe(url, bare=False))
+            continue
+        except FidelityError as e:
+            print(f"\nstep {run.step}: after the sync, {e}; re-syncing it", file=sys.stderr, flush=True)
+        resynced += 1
+        try:
+            sync_weights(run.syncer, run.model, run.version, run.world_size, urls=[url])
+            gaps.append(run.probe(url, bare=False))
+        except (FidelityError, WeightSyncError) as e:
+            take_out(run, url, str(e))
+    if not run.syncer.urls:
+        raise FidelityError("every server is out of step with the trainer after a sync (above)")
+    return (worst_gaps(gaps) if gaps else {}) | {
+        "fidelity/seconds": time.monotonic() - t0,
+        "fidelity/servers_resynced": float(resynced),
+        "fidelity/servers_out": float(len(run.servers_out)),
+    }
+
+
+def take_out(run: Run, url: str, why: str) -> None:
+    """A server that stays out of step after a re-sync leaves the run: no more syncs (nor heal), a
+    weight-version tag that is never the trainer's, so the rollout client does not route to it again
+    once it has taken it out, and its requests aborted (which takes it out of the client's routing)."""
+    from weight_sync import _post
+
+    run.syncer.urls.remove(url)
+    run.syncer.groups.pop(url, None)
+    run.syncer.failed.pop(url, None)
+    run.servers_out.append(url)
+    for path, body in (
+        ("/update_weight_version", {"new_version": "out-of-step"}),
+        ("/pause?mode=abort", None),
+    ):
+        try:
+            _post(url, path, body, run.syncer.http_timeout_s)
+        except Exception:  # noqa: BLE001 - a dead server is out of routing already
+            pass
+    print(
+        f"\nstep {run.step}: {url} taken out of routing for the rest of the run: still out of step after a "
+        f"re-sync ({why})",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+class NonFiniteSteps(RuntimeError):
+    """--max-nonfinite-steps non-finite steps in a row: the run stops (exit 1) with a checkpoint."""
+
+
+def skip_nonfinite(run: Run, what: str) -> dict[str, float]:
+    """A step whose loss or gradient was non-finite: train_step did not apply it; nothing is synced.
+    Counted (train/nonfinite_steps) and named on stderr, once."""
+    run.nonfinite_steps += 1
+    print(
+        f"\nstep {run.step}: non-finite {what}; update not applied, nothing synced "
+        f"({run.nonfinite_in_row + 1} in a row, the run stops at {run.args.max_nonfinite_steps})",
+        file=sys.stderr,
+        flush=True,
+    )
+    return {"sync/seconds": 0.0, "sync/mb": 0.0, "sync/mb_per_s": 0.0, "sync/servers_failed": 0.0}
 
 
 def stop_between_steps(world_size: int) -> dict:
@@ -655,7 +761,10 @@ def main(argv: list[str] | None = None) -> None:
             run.step += 1
             run.position.consume(g.row["_index"] for g in taken)  # trained, or dropped as a whole run would
             train_s = time.monotonic() - t_train
-            sync = sync_if_due(run)
+            nonfinite = train.pop("nonfinite")
+            sync = skip_nonfinite(run, nonfinite) if nonfinite else sync_if_due(run)
+            run.nonfinite_in_row = run.nonfinite_in_row + 1 if nonfinite else 0
+            train["train/nonfinite_steps"] = float(run.nonfinite_steps)
 
             # Metrics: one dict per step.
             now = time.monotonic()
@@ -682,6 +791,12 @@ def main(argv: list[str] | None = None) -> None:
             trained_rows = {"trained_rows": [g.row["_index"] for g in groups]}  # stream indices
             log_step(run, metrics, sandbox_mode | trained_rows, groups, logged, traced)  # sandbox_mode: once
             sandbox_mode = {}
+            if nonfinite and run.nonfinite_in_row >= args.max_nonfinite_steps:  # 0: the first stops
+                run.last_saved = run.step
+                raise NonFiniteSteps(
+                    f"{run.nonfinite_in_row} non-finite steps in a row (--max-nonfinite-steps), last: "
+                    f"{nonfinite}; checkpoint of the last finite weights: {save(run)}"
+                )
             if run.step % args.save_every == 0:
                 save(run)
                 run.last_saved = run.step
@@ -689,6 +804,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\ninterrupted at step {run.step}; saving a final checkpoint", file=sys.stderr, flush=True)
     except FidelityError as e:  # before the first step: nothing to save, one line to read
         print(f"refusing to train: {e}", file=sys.stderr, flush=True)
+        refused = True
+    except NonFiniteSteps as e:  # saved already, between steps
+        print(f"stopping at step {run.step}: {e}", file=sys.stderr, flush=True)
+        refused = True
+    except NonFiniteWeights as e:  # mid-step: nothing is synced or saved (shutdown saves only up to here)
+        print(f"stopping at step {run.step}: {e}; nothing synced or saved", file=sys.stderr, flush=True)
+        run.last_saved = run.step
         refused = True
     except WeightSyncError as e:  # the servers could not join the transfer groups: one line, exit 1
         print(f"weight sync: {e}", file=sys.stderr, flush=True)

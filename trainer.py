@@ -6,6 +6,7 @@ the gathers of a weight sync, a re-score or a checkpoint. train_async_grpo.py de
 
 import argparse
 import functools
+import math
 from pathlib import Path
 
 import torch
@@ -95,7 +96,7 @@ def train_step(
                     )
     sums: dict[str, float] = {}
     maxima = {"is_ratio_max": 0.0}
-    grad_norms, lr = [], scheduler.get_last_lr()[0]
+    grad_norms, lr, nonfinite = [], scheduler.get_last_lr()[0], ""
     traced_here: dict[int, list[float]] = {}
     for mini, bins, mini_old in zip(minis, mini_bins, old):
         total_tokens = float(sum(sum(s["mask"]) for s in mini))
@@ -136,7 +137,16 @@ def train_step(
             grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         )  # FSDP: DTensor
         grad_norms.append(grad_norm.item())
+        # The guard, before the step: the loss is reduced over ranks and the norm is the whole model's,
+        # so every rank takes the same decision without a collective of its own.
+        nonfinite = nonfinite_before_step(mini_sums["loss"], grad_norms[-1], model)
+        if nonfinite:
+            if n_mini > 1:
+                nonfinite = f"mini-batch {len(grad_norms)}/{n_mini}: {nonfinite}"
+            optimizer.zero_grad(set_to_none=True)  # AdamW's state never sees them
+            break
         optimizer.step()
+        check_weights_finite(model, lr, world_size, device)
     scheduler.step()
     if any("trace" in s for s in seqs):
         gathered = gather_traced(traced_here, world_size)
@@ -153,12 +163,53 @@ def train_step(
         "train/mismatch_kl": sums["mismatch_kl"] / ntok,
         "train/entropy": sums["entropy"] / ntok,
         "train/kl_ref": sums.get("kl_ref", 0.0) / ntok,
-        "train/grad_norm": sum(grad_norms) / n_mini,
+        "train/grad_norm": sum(grad_norms) / len(grad_norms),
         "train/lr": lr,
         "train/loss_tokens": sums.get("tokens", 0.0),
         "train/micro_batches": float(sum(len(b) for b in mini_bins)),
         "train/optimizer_steps": float(n_mini),
+        "nonfinite": nonfinite,  # "" or what was non-finite: the loop pops it (train/nonfinite_steps)
     }
+
+
+# ---------------------------------------------------------------------------------------------------
+# THE GUARD: a non-finite loss or gradient is never applied; weights are checked after every step
+# ---------------------------------------------------------------------------------------------------
+class NonFiniteWeights(RuntimeError):
+    """Weights non-finite after an AdamW step: raised on every rank (the check is reduced over them)."""
+
+
+def _finite(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor, on the tensor's device (no host sync per parameter); FSDP: this rank's shard."""
+    t = t.detach()
+    return (t.to_local() if hasattr(t, "to_local") else t).isfinite().all()
+
+
+def nonfinite_before_step(loss: float, grad_norm: float, model) -> str:
+    """Empty when the loss and the gradient norm are finite, else what was not and where (the first
+    parameter with a non-finite gradient on this rank: looked for only when the norm is not finite)."""
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return ""
+    what = [f"loss {loss}"] if not math.isfinite(loss) else []
+    if not math.isfinite(grad_norm):
+        grads = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+        where = next((n for n, g in grads if not _finite(g)), "a parameter sharded to another rank")
+        what.append(f"grad norm {grad_norm} (first at {where})")
+    return ", ".join(what)
+
+
+def check_weights_finite(model, lr: float, world_size: int, device) -> None:
+    """Raises NonFiniteWeights naming the first non-finite parameter. With the gradients checked before
+    the step (finite, clipped) and the AdamW state finite, an element moves by at most a few lr, so
+    this fires only when the step itself overflows fp32 (an lr near 1e38). The weights are not restored
+    (that would take a copy of the model and its AdamW state every step): the run stops at once, syncs
+    and saves nothing, and its newest checkpoint holds the last finite weights."""
+    params = list(model.named_parameters())
+    finite = bool(torch.stack([_finite(p) for _, p in params]).all())
+    _, worst = reduce_over_ranks({}, {"nonfinite": float(not finite)}, world_size, device)
+    if worst["nonfinite"]:
+        where = next((n for n, p in params if not _finite(p)), "another rank's shard")
+        raise NonFiniteWeights(f"{where} is non-finite after the AdamW step (lr {lr:g})")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -182,9 +233,12 @@ def follow_rank0(model, ref_model, optimizer, scheduler, tokenizer, args, out_di
     while True:
         message = broadcast_message(None, world_size)
         if "batch" in message:
-            train_step(
-                model, ref_model, optimizer, scheduler, message["batch"], args, rank, world_size, device
-            )
+            try:
+                train_step(
+                    model, ref_model, optimizer, scheduler, message["batch"], args, rank, world_size, device
+                )
+            except NonFiniteWeights:  # every rank raised it; rank 0 says so and sends stop
+                pass
         elif "sync" in message:
             sync_weights(syncer, model, message["sync"])
         elif "rescore" in message:

@@ -13,16 +13,16 @@ import pytest
 import torch
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
-from rollout import VLLMClient
+from rollout import VLLMClient, probe
 from sampling import (
     FidelityError,
     Sampling,
     check_fidelity,
-    probe_server,
     processed_logits,
     request_seed,
     rescore,
     token_logprobs_and_entropy,
+    verify_server,
 )
 from vllm_server import start_vllm_server
 
@@ -184,19 +184,21 @@ def test_probe_passes_a_vllm_mode_server_and_refuses_generation_config_auto(serv
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     sampling = Sampling(1.0, top_p=0.9, top_k=20)
 
-    def probe(url):  # re-scored with the trainer's own function (fp32 on the CPU)
-        run, bare = asyncio.run(probe_server(url, str(tiny_model), [PROMPT, PROMPT[:5]], sampling, seed=0))
-        cpu = torch.device("cpu")
-        return (run, rescore(model, run, cpu, bf16=False)), (bare, rescore(model, bare, cpu, bf16=False))
+    cpu = torch.device("cpu")
 
-    gaps = check_fidelity(plain.url, *probe(plain.url), low_precision=False)
-    assert gaps["fidelity/max_abs_diff"] < 1e-3 and gaps["fidelity/bare_max_abs_diff"] < 1e-3
-    run, bare = probe(auto.url)
+    def samples(url):  # re-scored with the trainer's own function (fp32 on the CPU)
+        return probe(url, str(tiny_model), [PROMPT, PROMPT[:5]], sampling, seed=0)
+
+    gaps = verify_server(plain.url, samples(plain.url), model, False, 1, cpu)
+    assert gaps["fidelity/max_abs_diff"] < 1e-3 and gaps["fidelity/bare_top_rms_diff"] < 1e-3
+    auto_samples = samples(auto.url)
     # Every field stated: the run's own requests are immune to the server's defaults ...
-    assert check_fidelity(auto.url, run, run, low_precision=False)["fidelity/max_abs_diff"] < 1e-3
+    run_only = {"run": auto_samples["run"]}
+    scored = {"run": rescore(model, auto_samples["run"], cpu, bf16=False)}
+    assert check_fidelity(auto.url, run_only, scored, low_precision=False)["fidelity/max_abs_diff"] < 1e-3
     # ... but the server rewrites any request that leaves one out, and the probe says so.
     with pytest.raises(FidelityError, match="generation_config.json") as e:
-        check_fidelity(auto.url, run, bare, low_precision=False)
+        verify_server(auto.url, auto_samples, model, False, 1, cpu)
     assert auto.url in str(e.value) and "--generation-config vllm" in str(e.value)
 
 

