@@ -176,7 +176,7 @@ def test_flag_matrix(case, servers, tmp_path):
     for m in steps:
         for key in ("train/loss", "train/grad_norm", "train/entropy", "train/mismatch_kl", "train/kl_ref"):
             assert math.isfinite(m[key]), (key, m)
-        assert m.get("train/nonfinite_steps", 0) == 0, m  # TEMP
+        assert m["train/nonfinite_steps"] == 0, m
         assert m["rollout/dropped_stale"] == 0 and m["perf/groups_failed"] == 0, m
         assert m["train/optimizer_steps"] == (2 if "M" in options else 1)
         assert (m["train/kl_ref"] > 0) == ("K" in options), m
@@ -184,9 +184,9 @@ def test_flag_matrix(case, servers, tmp_path):
     syncs = [m for m in steps if m["sync/seconds"] > 0]
     every = 2 if "Y" in options else 1
     assert [m["step"] for m in syncs] == [m["step"] for m in steps if m["step"] % every == 0], steps
-    for m in syncs if "fidelity/servers_checked" in syncs[0] else []:  # TEMP
-        assert m["fidelity/servers_checked"] == (2 if "V" in options else 1), m
-        assert m["fidelity/max_abs_diff"] <= FP32_MAX_ABS_DIFF and m["fidelity/servers_out_of_step"] == 0, m
+    for m in syncs:
+        assert m["fidelity/seconds"] > 0 and m["fidelity/max_abs_diff"] <= FP32_MAX_ABS_DIFF, m
+        assert m["fidelity/servers_out"] == 0 and m["fidelity/servers_resynced"] == 0, m
     counters = [ln for ln in r.stderr.splitlines() if ln.startswith("rollout counters:")]
     assert counters and "failed 0," in counters[-1], counters
 
