@@ -1,10 +1,11 @@
 """The flag matrix's shaped-reward environment and its launcher (tests/test_flag_matrix.py).
 
-`retool_shaped` is `--env retool` with the reward envs/retool.py suggests trying: a wrong answer scores
-−1 plus 0.1 per successful tool call (so −0.9, −0.8, …: rewards that are not binary fractions; a group
-of equal ones must give exactly zero advantages). Not an `envs/` environment: the matrix runs the
-trainer through `python tests/matrix_env.py <trainer args>` (also under torchrun), which registers it
-and calls train_async_grpo.main.
+`retool_shaped` is `--env retool` with a shaped reward in the spirit of the one envs/retool.py suggests
+trying: a wrong answer scores −0.9 plus 0.1 per successful tool call (so −0.9, −0.8, …: rewards that are
+not binary fractions, and every group of wrong answers, which is most groups of the tiny models, is a
+group of equal non-dyadic rewards whose advantages must be exactly zero). Not an `envs/` environment:
+the matrix runs the trainer through `python tests/matrix_env.py <trainer args>` (also under torchrun),
+which registers it and calls train_async_grpo.main.
 """
 
 import sys
@@ -18,7 +19,7 @@ SYSTEM_PROMPT = retool.SYSTEM_PROMPT
 
 
 def make_episode(row: dict, sandbox=None) -> retool.Episode:
-    return retool.make_episode(row, sandbox=sandbox, wrong_reward=-1.0, tool_bonus=0.1)
+    return retool.make_episode(row, sandbox=sandbox, wrong_reward=-0.9, tool_bonus=0.1)
 
 
 if __name__ == "__main__":

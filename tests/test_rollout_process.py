@@ -39,7 +39,7 @@ def test_the_trainers_interface_over_the_process_boundary(vllm_server, served_mo
     # trainer reached the next version, or discarded one.
     build = functools.partial(
         train_async_grpo.rollout_worker, _args(served_model), None, [vllm_server.url], str(served_model),
-        rows, 0, 0, "envs.retool",
+        rows, 0, [], 0, "envs.retool",
     )  # fmt: skip
     version = {"v": 0}
     worker = RolloutProcess(build, lambda: version["v"], start_version=0)
