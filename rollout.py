@@ -147,12 +147,14 @@ class VLLMClient:
                     # Gone (or it aborted our request): not retried here, since the rollout's earlier
                     # turns came from a process that is gone or from weights it aborted. The group
                     # restarts from scratch, so no sample mixes tokens from before and after.
-                    if url not in self.down:
-                        self.down.add(url)
-                        self.stats.servers_down += 1
-                        logger.warning("vLLM server %s taken out of routing: %s", url, e)
+                    self._take_down(url, e)
                     raise GenerationError(f"{url} went away mid-rollout: {e}") from e
                 except _Retryable as e:
+                    if self.expected_version is not None and not await self._answers(url):
+                        # No longer holds the trainer's weights (taken out of the run by the per-sync
+                        # check, or restarted): a request that reached it after its abort timed out.
+                        self._take_down(url, e)
+                        raise GenerationError(f"{url} went away mid-rollout: {e}") from e
                     if attempt == self.max_retries:
                         raise GenerationError(f"{url}: gave up after {attempt + 1} attempts: {e}") from e
                     self.stats.retries += 1
@@ -165,6 +167,12 @@ class VLLMClient:
                     url, data, with_top=bool(sampling.get("return_tokens_as_token_ids"))
                 )
         raise AssertionError("unreachable")
+
+    def _take_down(self, url: str, why: Exception) -> None:
+        if url not in self.down:
+            self.down.add(url)
+            self.stats.servers_down += 1
+            logger.warning("vLLM server %s taken out of routing: %s", url, why)
 
     async def _pick_server(self) -> str:
         """The least-loaded server in routing; if none is, wait (probing) up to `request_timeout_s`."""
