@@ -214,7 +214,7 @@ def check_args(args: argparse.Namespace) -> None:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
     for name in ["max_staleness", "warmup_steps", "eval_every", "kl_beta", "eps_low", "eps_high",
-                 "weight_decay", "lr", "top_k"]:  # fmt: skip
+                 "weight_decay", "lr", "top_k", "fidelity_every", "max_nonfinite_steps"]:  # fmt: skip
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be ≥ 0, got {getattr(args, name)}")
     if args.vllm_gpus is not None and args.vllm_gpus < 1:

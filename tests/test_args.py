@@ -25,6 +25,8 @@ def test_bad_arguments_fail_before_anything_starts(capsys, tiny_model):
         (["--mini-batches", "65"], "--mini-batches 65 exceeds the 64 sequences"),
         (["--rollout-cpus", "x"], "--rollout-cpus: 'x' is not a CPU list"),
         (["--rollout-cpus", "4096"], "--rollout-cpus: CPU 4096 does not exist"),
+        (["--fidelity-every", "-1"], "--fidelity-every must be ≥ 0"),
+        (["--max-nonfinite-steps", "-1"], "--max-nonfinite-steps must be ≥ 0"),
     ]:
         with pytest.raises(SystemExit):
             T.main(["--model", str(tiny_model), *argv])
