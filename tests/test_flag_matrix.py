@@ -225,8 +225,9 @@ def test_flag_matrix(case, servers, tmp_path):
     assert all(x["advantage"] == 0.0 for g in equal_groups for x in g), equal_groups
     rewards = {x["reward"] for x in rows}
     if "Z" in options:
-        assert rewards - {0.0, 1.0}, rewards  # the shaped rewards are there
-        assert any(g[0]["reward"] != 1.0 for g in equal_groups), "no group of equal non-dyadic rewards logged"
+        # the shaped rewards are there; a logged group of equal ones (−0.9 × 4: most runs log one, but
+        # not every run) has exactly zero advantages (above); test_loss.py pins that for any float
+        assert rewards - {0.0, 1.0}, rewards
     else:
         assert rewards <= {0.0, 1.0}, rewards
     if "Q" in options:
