@@ -366,9 +366,9 @@ def _python_with_venv_at(where: str, tmp_root: str) -> list[str]:
     """argv prefix running this venv's python as if the venv lay at `where`: 'elsewhere' (where it is),
     'tmp-dir' (bound onto a directory under /tmp, in a private mount namespace) or 'tmp-link' (a
     symlink under /tmp, as a checkout's `.venv` link in a CI clone)."""
-    if where == "elsewhere":
+    if where == "elsewhere" and not sys.prefix.startswith("/tmp/"):
         return [sys.executable]
-    venv = os.path.join(tmp_root, "venv")
+    venv = os.path.join(tmp_root, "venv")  # 'elsewhere' from a venv under /tmp: tmp_root is /var/tmp's
     if where == "tmp-link":
         os.symlink(sys.prefix, venv)
         return [os.path.join(venv, "bin", "python")]
@@ -387,8 +387,9 @@ def test_warm_path_imports_what_the_cold_path_imports(where):
     import subprocess
     import tempfile
 
-    if where == "tmp-dir" and os.geteuid() != 0:
-        pytest.skip("needs root to bind the venv under /tmp")
+    elsewhere_by_bind = where == "elsewhere" and sys.prefix.startswith("/tmp/")  # a CI clone's venv
+    if (where == "tmp-dir" or elsewhere_by_bind) and os.geteuid() != 0:
+        pytest.skip("needs root to bind the venv to another directory")
     code = (
         "import sys\nloaded = [m for m in ('numpy.polynomial', 'pandas') if m in sys.modules]\n"
         "import numpy.polynomial, pandas\nprint(loaded, numpy.polynomial.Polynomial([1, 2])(3), sys.prefix)"
@@ -399,7 +400,9 @@ def test_warm_path_imports_what_the_cold_path_imports(where):
         "out = [asyncio.run(sb.run(code, timeout_s=60)) for sb in (warm, cold)]\n"
         "print(json.dumps([sys.prefix, s.isolation_mode()] + [r.output + r.error for r in out]))"
     )
-    with tempfile.TemporaryDirectory(prefix="venv-") as tmp_root:
+    with tempfile.TemporaryDirectory(
+        prefix="venv-", dir="/var/tmp" if where == "elsewhere" else "/tmp"
+    ) as tmp_root:
         argv = _python_with_venv_at(where, tmp_root) + ["-c", script]
         env = {"PATH": os.environ["PATH"], "PYTHONPATH": REPO}
         p = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
