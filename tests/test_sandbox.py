@@ -397,7 +397,8 @@ def test_warm_path_imports_what_the_cold_path_imports(where):
     script = (
         "import asyncio, json, sys, envs.sandbox as s\n"
         f"code = {code!r}\nwarm, cold = s.Sandbox(1), s.Sandbox(1, warm=False)\n"
-        "out = [asyncio.run(sb.run(code, timeout_s=60)) for sb in (warm, cold)]\n"
+        "async def both():\n    return [await sb.run(code, timeout_s=60) for sb in (warm, cold)]\n"
+        "out = asyncio.run(both())\n"  # one event loop: no executor shut down and made again between
         "print(json.dumps([sys.prefix, s.isolation_mode()] + [r.output + r.error for r in out]))"
     )
     with tempfile.TemporaryDirectory(
