@@ -10,11 +10,11 @@
 One protocol for both transports: vLLM's own weight-transfer HTTP routes (`VLLM_SERVER_DEV_MODE=1`),
 `/init_weight_transfer_engine` once, then per sync `/pause?mode=keep` -> `/start_weight_update` ->
 `/update_weights` (while the trainer broadcasts) -> `/finish_weight_update` -> `/update_weight_version`
--> `/resume`.
+-> `/resume`: six round trips a sync, none per tensor or bucket.
 
 `/update_weights` blocks inside the server until its workers have received every tensor, so it runs
 on a thread while the trainer broadcasts. The trainer is rank 0. gloo: one group per server (its
-workers at ranks 1..), each bucket posted to all groups at once, so a dead server breaks only its own
+workers at ranks 1..), each piece posted to all groups at once, so a dead server breaks only its own
 group. nccl: one group over every worker of every server (server i's workers after those of servers
 0..i-1), as vLLM's own trainer engine does.
 
@@ -23,8 +23,12 @@ and packed producer), so both sides are vLLM's code. CPU: vLLM ships no CPU engi
 registers a `gloo` one at import. vLLM creates the engine in each worker at model load, after it has
 imported the class named by `--worker-extension-cls`; `vllm_server.py` names `GlooWorkerExtension`
 below, which is how this module gets imported inside the workers. The gloo engine mirrors the NCCL
-one: the same update payload (names, dtypes, shapes), the same layerwise reload; tensors travel in
-buckets of up to `bucket_bytes`, cut identically on both sides from that payload.
+one: the same update payload (names, dtypes, shapes), the same layerwise reload. Tensors travel as
+pieces cut identically on both sides from that payload (`plan_buckets` with `PIECE_BYTES`): a tensor
+over 1 MiB alone, sent from its own memory (no copy when it is contiguous and already in the
+send dtype), runs of smaller ones together. Both sides keep up to `bucket_bytes` of pieces posted
+ahead, so the worker receives the next pieces (on gloo's threads, on a core vLLM's compute threads
+are not pinned to) while `load_weights` loads this one, into receive buffers kept between syncs.
 
 Never hang: every HTTP call and every collective has a timeout (the NCCL send, which has none, runs
 on a thread we stop waiting for). A server that fails (dead, erroring, silent) is dropped from the
@@ -41,6 +45,7 @@ CPU the tied lm_head re-packed after each sync (see `_repack_cpu_embedding_gemms
 import datetime
 import json
 import math
+import os
 import queue
 import sys
 import threading
@@ -48,6 +53,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -58,7 +64,12 @@ import torch.distributed as dist
 
 from vllm_server import healthy, is_loopback, route_source
 
-DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024  # gloo sends one buffer per bucket; bigger = fewer round trips
+# nccl: the size of each of vLLM's two packed buffers. gloo: the most bytes either side posts ahead of the
+# piece being sent or loaded (so the receive of the next pieces overlaps the load of this one).
+DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
+# gloo: consecutive tensors smaller than this travel as one piece (one broadcast, one small copy); a
+# larger tensor travels alone, straight from its own memory.
+PIECE_BYTES = 1024 * 1024
 
 
 class WeightSyncError(RuntimeError):
@@ -152,8 +163,8 @@ if HAVE_VLLM:
         shapes: list[list[int]] = field(default_factory=list)
 
     class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
-        """Receives broadcast buckets from the trainer (rank 0) and loads them with `load_weights`,
-        inside vLLM's layerwise reload, exactly as the NCCL engine does."""
+        """Receives the trainer's (rank 0's) broadcast pieces and loads them with `load_weights`, inside
+        vLLM's layerwise reload, exactly as the NCCL engine does."""
 
         init_info_cls = GlooInitInfo
         update_info_cls = GlooUpdateInfo
@@ -163,51 +174,65 @@ if HAVE_VLLM:
             self.store = None
             self.group = None
             self.bucket_bytes = DEFAULT_BUCKET_BYTES
+            # The last sync's seconds in start, update (of which waiting on broadcasts: wait) and finish.
+            self.seconds: dict[str, float] = {}
+            # Receive buffers of the first pieces (up to `bucket_bytes`), kept from one sync to the next:
+            # a fresh buffer costs a page fault per 4 KiB as gloo writes it, more than the copy itself
+            # (105 MB: ~70 ms of faults against ~25 ms of copying, here). Free again once a sync has
+            # finished, since the layerwise reload has copied every tensor out of them by then.
+            self.buffers: list[torch.Tensor] = []
 
         def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
             pc = self.parallel_config
             # The same rank arithmetic as vLLM's NCCL engine (worker_init_process_group).
             rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
             self.bucket_bytes = init_info.bucket_bytes
-            self.store, self.group = gloo_group(
-                init_info.master_address,
-                init_info.master_port,
-                rank,
-                init_info.world_size,
-                init_info.timeout_s,
-            )
+            self.buffers = []  # a receive the old group left posted may yet write them
+            # vLLM pins this thread to its OMP core(s), and gloo's threads, made now, would inherit that:
+            # the receive would then share one core with the load it is meant to overlap. They get every
+            # core of the server instead (those of the engine process that started this worker).
+            pinned = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, os.sched_getaffinity(os.getppid()) | pinned)
+            try:
+                self.store, self.group = gloo_group(
+                    init_info.master_address,
+                    init_info.master_port,
+                    rank,
+                    init_info.world_size,
+                    init_info.timeout_s,
+                )
+            finally:
+                os.sched_setaffinity(0, pinned)
 
         def start_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+            t0 = time.perf_counter()
             initialize_layerwise_reload(self.model)
+            self.seconds = {"start": time.perf_counter() - t0}
 
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+            t0 = time.perf_counter()
             finalize_layerwise_reload(self.model, self.model_config)
             _repack_cpu_embedding_gemms(self.model)
+            self.seconds["finish"] = time.perf_counter() - t0
 
         def update_weights(self, update_info: dict) -> None:
             # The base class ends with torch.accelerator.synchronize(); nothing is asynchronous here.
+            t0 = time.perf_counter()
+            self.seconds["wait"] = 0.0
             self.receive_weights(self.parse_update_info(update_info))
+            self.seconds["update"] = time.perf_counter() - t0
 
         def receive_weights(self, update_info: GlooUpdateInfo) -> None:
             if self.group is None:
                 raise RuntimeError("gloo weight transfer not initialized: call /init_weight_transfer_engine")
-            dtypes = [getattr(torch, d) for d in update_info.dtype_names]
             try:
-                for bucket in plan_buckets(update_info.shapes, dtypes, self.bucket_bytes):
-                    sizes = [math.prod(update_info.shapes[i]) * dtypes[i].itemsize for i in bucket]
-                    buf = torch.empty(sum(sizes), dtype=torch.uint8)
-                    self.group.broadcast(buf, 0).wait()
-                    # Views of `buf`: the layerwise loader may hold them until the layer is complete.
-                    chunks = buf.split(sizes)
-                    self.model.load_weights(
-                        (update_info.names[i], c.view(dtypes[i]).view(update_info.shapes[i]))
-                        for i, c in zip(bucket, chunks)
-                    )
+                self.model.load_weights(self._received(update_info))
             except BaseException:
+                self.buffers = []  # a broadcast still posted into one may yet write it
                 # The trainer died mid-transfer (or timed out). Put every layer back on real tensors
                 # (layers never reached keep their old weights) so the server can still serve once
                 # resumed; the trainer has dropped this server, so the mixed weights never feed training.
@@ -217,8 +242,48 @@ if HAVE_VLLM:
                     pass
                 raise
 
+        def _received(self, update_info: GlooUpdateInfo) -> Iterator[tuple[str, torch.Tensor]]:
+            """Each tensor once its broadcast has landed. The broadcasts of the pieces after it (up to
+            `bucket_bytes` of them, at least one) are posted before it is handed on, so gloo's threads
+            receive them while `load_weights` loads this one."""
+            dtypes = [getattr(torch, d) for d in update_info.dtype_names]
+            sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(update_info.shapes, dtypes)]
+            pieces = plan_buckets(update_info.shapes, dtypes, PIECE_BYTES)
+            piece_bytes = [sum(sizes[i] for i in piece) for piece in pieces]
+            if [b.numel() for b in self.buffers] != piece_bytes[: len(self.buffers)]:
+                self.buffers = []  # another model's payload
+            posted: deque = deque()  # (buffer, its broadcast) of each posted piece, in the order sent
+            ahead = 0  # bytes posted after the piece being loaded
+            for k in range(len(pieces)):
+                if not posted:
+                    ahead += self._post_piece(posted, k, piece_bytes[k])
+                buf, work = posted.popleft()
+                ahead -= buf.numel()
+                nxt = k + 1 + len(posted)
+                while nxt < len(pieces) and (not posted or ahead + piece_bytes[nxt] <= self.bucket_bytes):
+                    ahead += self._post_piece(posted, nxt, piece_bytes[nxt])
+                    nxt += 1
+                t0 = time.perf_counter()
+                work.wait()
+                self.seconds["wait"] = self.seconds.get("wait", 0.0) + time.perf_counter() - t0
+                # Views of `buf`: the layerwise loader may hold them until their layer is complete.
+                for i, chunk in zip(pieces[k], buf.split([sizes[i] for i in pieces[k]])):
+                    yield update_info.names[i], chunk.view(dtypes[i]).view(update_info.shapes[i])
+
+        def _post_piece(self, posted: deque, k: int, num_bytes: int) -> int:
+            if k < len(self.buffers):
+                buf = self.buffers[k]
+            else:
+                buf = torch.empty(num_bytes, dtype=torch.uint8)
+                kept = sum(b.numel() for b in self.buffers)
+                if k == len(self.buffers) and kept + num_bytes <= self.bucket_bytes:
+                    self.buffers.append(buf)
+            posted.append((buf, self.group.broadcast(buf, 0)))
+            return num_bytes
+
         def shutdown(self) -> None:
             self.group = None
+            self.buffers = []
             self.store = None
 
     try:
@@ -253,7 +318,41 @@ def _repack_cpu_embedding_gemms(model: torch.nn.Module) -> None:
 
 class GlooWorkerExtension:
     """Named by `--worker-extension-cls` so every vLLM worker imports this module (and so registers the
-    gloo engine) before it loads the model. It adds no methods: the engine does all the work."""
+    gloo engine) before it loads the model. The engine does all the work of a sync; the two methods
+    here are for `bench/bench_weight_sync.py`, through the dev-mode `/collective_rpc`."""
+
+    def weight_sync_seconds(self) -> dict:
+        """The worker's side of the last sync (`GlooWeightTransferEngine.seconds`)."""
+        return dict(self.weight_transfer_engine.seconds)
+
+    def time_vllm_reload(self, payload: str) -> dict:
+        """Seconds of vLLM's own reload of tensors already in this process, outside the protocol: random
+        tensors of the JSON `payload`'s names, dtypes and shapes (a sync's update_info) loaded with
+        `load_weights` inside the layerwise reload, which a sync needs too (it re-runs each layer's
+        CPU GEMM packing: without it the packed copies keep the old weights). Leaves the server holding
+        those random weights: sync after it."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        info = json.loads(payload)
+        tensors = [
+            (name, torch.randn(shape).to(getattr(torch, dtype)) * 0.02)
+            for name, dtype, shape in zip(info["names"], info["dtype_names"], info["shapes"])
+        ]
+        engine = self.weight_transfer_engine
+        with set_current_vllm_config(self.vllm_config):
+            t0 = time.perf_counter()
+            initialize_layerwise_reload(engine.model)
+            t1 = time.perf_counter()
+            engine.model.load_weights(iter(tensors))
+            t2 = time.perf_counter()
+            finalize_layerwise_reload(engine.model, engine.model_config)
+            _repack_cpu_embedding_gemms(engine.model)
+            t3 = time.perf_counter()
+        return {"start": t1 - t0, "load": t2 - t1, "finish": t3 - t2, "total": t3 - t0}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -339,7 +438,7 @@ def _then_done(items: Iterator) -> Iterator:
 class WeightSyncer:
     """Trainer-side client: owns the transfer group(s) with the server workers, and the version.
 
-    gloo: posting each bucket to every server's group at once costs what one gloo broadcast to all
+    gloo: posting each piece to every server's group at once costs what one gloo broadcast to all
     would (it sends one copy per peer either way). nccl: the one group means a failure there fails the
     sync for every server, a sync always goes to every member (`urls` is widened: a collective over a
     server outside the sync would hang), and a member that fails before the broadcast fails the sync
@@ -370,7 +469,7 @@ class WeightSyncer:
         except ValueError as e:
             raise WeightSyncError(f"no rendezvous address for the servers ({e}): pass --sync-host") from None
         self.http_timeout_s = http_timeout_s  # pause/start/finish/version/resume, each call
-        self.transfer_timeout_s = transfer_timeout_s  # group join, /update_weights, each bucket
+        self.transfer_timeout_s = transfer_timeout_s  # group join, /update_weights, each piece
         self.bucket_bytes = bucket_bytes
         self.send_dtype = send_dtype  # e.g. torch.bfloat16 halves the bytes for a bf16 server
         self.rank = rank
@@ -587,6 +686,8 @@ class WeightSyncer:
         drop(send_errors, "update_weights (broadcast)")
         drop(_collect(receiving, futures, self.transfer_timeout_s), "update_weights")
         phase("/finish_weight_update")
+        # Not merged into /finish_weight_update (which can set it too, saving ~3 ms): this route in the
+        # server's log is how a re-sync is seen (test_faults.py).
         phase("/update_weight_version", {"new_version": str(version)})
         phase("/resume")
         seconds = time.perf_counter() - t0
@@ -654,16 +755,34 @@ class WeightSyncer:
         timeout = datetime.timedelta(seconds=self.transfer_timeout_s)
         shapes = [list(p.shape) for _, p in params]
         it = full_tensors()
-        for bucket in plan_buckets(shapes, dtypes, self.bucket_bytes):
-            # Tensors are gathered one at a time, copied into the bucket, then dropped.
-            buf = torch.cat([_to_bytes(next(it)[1].cpu()) for _ in bucket])
-            works = [(u, self.groups[u].broadcast(buf, 0, timeout)) for u in live]  # all servers at once
+        in_flight: deque = deque()  # (piece's buffer, [(url, its broadcast)]), oldest first
+        in_flight_bytes = 0
+
+        def wait_oldest() -> None:
+            nonlocal in_flight_bytes
+            buf, works = in_flight.popleft()
+            in_flight_bytes -= buf.numel()
             for u, work in works:
+                if u not in live:  # failed on an earlier piece: its later ones are not waited for
+                    continue
                 try:
                     work.wait()
                 except Exception as e:  # noqa: BLE001 - this server is dropped, the others go on
                     errors[u] = f"{type(e).__name__}: {str(e)[:500]}"
                     live.remove(u)
+
+        for piece in plan_buckets(shapes, dtypes, PIECE_BYTES):
+            # Gathered in order (FSDP's collectives); a tensor alone is sent from its own memory, small
+            # ones are copied into one buffer. Each piece is posted to every server at once, while the
+            # pieces before it are still in flight (up to `bucket_bytes` of them).
+            tensors = [_to_bytes(next(it)[1].cpu()) for _ in piece]
+            buf = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+            while in_flight and in_flight_bytes + buf.numel() > self.bucket_bytes:
+                wait_oldest()
+            in_flight.append((buf, [(u, self.groups[u].broadcast(buf, 0, timeout)) for u in live]))
+            in_flight_bytes += buf.numel()
+        while in_flight:
+            wait_oldest()
         return num_bytes, errors
 
     def _nccl_broadcast(self, group, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:

@@ -1,13 +1,19 @@
 """Weight-sync speed against one real vLLM server, next to the transport's limit.
 
-    python bench/bench_weight_sync.py [--model models/tiny] [--widen 8] [--syncs 5]
+    python bench/bench_weight_sync.py [--model models/tiny] [--widen 8] [--syncs 9]
 
 Syncs the trainer's weights into the server `--syncs` times (gloo on CPU, NCCL on GPU) and reports
-the median sync seconds and MB/s beside a raw gloo broadcast of the same bytes between two local
-processes (`bench_raw_gloo_broadcast` below). The tiny model is ~2 MB, so its sync time is the
-six HTTP round trips of the protocol; `--widen N` builds a copy with hidden and MLP sizes N times
-larger (random weights, the tiny tokenizer) so the transfer itself shows. Prints one JSON object; with
---out it is merged into that results file.
+the median sync seconds beside two yardsticks:
+- raw: a gloo broadcast of the same bytes between two local processes (`bench_raw_gloo_broadcast`);
+- bound: raw plus vLLM's own reload of the same tensors inside the server's worker, with no transport
+  and no HTTP (`weight_sync.GlooWorkerExtension.time_vllm_reload`, through `/collective_rpc`): the
+  layerwise reload's start, `load_weights`, and its finish (each layer's CPU GEMM re-packing, which a
+  sync cannot skip: the packed copies are what the server computes with). Overlapping the two can
+  beat this bound; the protocol's pause and resume are outside it.
+The worker's own seconds of the last syncs (`weight_sync_seconds`) say where a sync's time goes. The
+tiny model is ~2 MB, so its sync time is the HTTP round trips of the protocol; `--widen N` builds a
+copy with hidden and MLP sizes N times larger (random weights, the tiny tokenizer) so the transfer
+itself shows. Prints one JSON object; with --out it is merged into that results file.
 """
 
 import argparse
@@ -26,7 +32,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file from anywhere
 from bench.results import merge_results  # noqa: E402
 from vllm_server import free_port, start_vllm_server  # noqa: E402
-from weight_sync import WeightSyncer, gloo_group  # noqa: E402
+from weight_sync import WeightSyncer, _post, gloo_group  # noqa: E402
 
 
 def widened_model(model: str, widen: int, out: Path) -> str:
@@ -79,11 +85,20 @@ def bench_raw_gloo_broadcast(num_bytes: int, repeats: int = 3) -> float:
             child.kill()
 
 
+def worker_rpc(url: str, method: str, *args: str) -> dict:
+    """Call a `GlooWorkerExtension` method in the server's (one) worker through the dev-mode route."""
+    return _post(url, "/collective_rpc", {"method": method, "args": list(args)}, 300)["results"][0]
+
+
+def medians(runs: list[dict]) -> dict:
+    return {k: round(statistics.median(r[k] for r in runs), 4) for k in runs[0]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="models/tiny", help="model directory the server and trainer load")
     p.add_argument("--widen", type=int, default=1, help="scale hidden/MLP sizes by this factor (1 = as is)")
-    p.add_argument("--syncs", type=int, default=5, help="syncs to time (the median is reported)")
+    p.add_argument("--syncs", type=int, default=9, help="syncs (and reloads) to time: medians are reported")
     p.add_argument("--out", default=None, help="JSON results file to merge into")
     args = p.parse_args()
 
@@ -94,12 +109,19 @@ def main() -> None:
     with start_vllm_server(model_dir, extra_args=extra, log_dir=tmp) as server:
         syncer = WeightSyncer([server.url], backend="nccl" if torch.cuda.is_available() else "gloo")
         syncer.init()
-        runs = []
-        for version in range(1, args.syncs + 1):
+        payload = {
+            "names": [n for n, _ in model.named_parameters()],
+            "dtype_names": [str(p.dtype).removeprefix("torch.") for p in model.parameters()],
+            "shapes": [list(p.shape) for p in model.parameters()],
+        }
+        reloads = [worker_rpc(server.url, "time_vllm_reload", json.dumps(payload)) for _ in range(args.syncs)]
+        runs, worker = [], []
+        for version in range(1, args.syncs + 1):  # the first also replaces the reloads' random weights
             with torch.no_grad():
                 for param in model.parameters():
                     param.add_(1e-3)
             runs.append(syncer.sync(model.named_parameters(), version=version))
+            worker.append(worker_rpc(server.url, "weight_sync_seconds"))
         syncer.close()
     shutil.rmtree(tmp, ignore_errors=True)
 
@@ -107,6 +129,8 @@ def main() -> None:
     sync_s = statistics.median(r["sync/seconds"] for r in runs)
     send_s = statistics.median(r["sync/send_seconds"] for r in runs)
     raw_s = bench_raw_gloo_broadcast(int(mb * 1e6))
+    reload_s = statistics.median(r["total"] for r in reloads)
+    bound_s = raw_s + reload_s
     result = {
         ("weight_sync" if args.widen == 1 else f"weight_sync_widen{args.widen}"): {
             "model": args.model,
@@ -117,8 +141,13 @@ def main() -> None:
             "broadcast_seconds": round(send_s, 4),  # the transfer alone, inside the sync
             "raw_gloo_seconds": round(raw_s, 4),
             "raw_gloo_mb_per_s": round(mb / raw_s, 1),
-            "sync_over_raw": round(sync_s / raw_s, 1),
-            "settings": f"median of {args.syncs} syncs, gloo, one local server",
+            "sync_over_raw": round(sync_s / raw_s, 2),
+            "vllm_reload_seconds": medians(reloads),
+            "bound_seconds": round(bound_s, 4),
+            "sync_over_bound": round(sync_s / bound_s, 2),
+            # The worker's side of the syncs: update = receive and load (wait: blocked on a broadcast).
+            "worker_seconds": medians(worker),
+            "settings": f"median of {args.syncs} syncs (and reloads), gloo, one local server",
             "command": "python bench/bench_weight_sync.py " + " ".join(sys.argv[1:]),
         }
     }
