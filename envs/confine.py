@@ -18,6 +18,11 @@ inherited by every descendant and cannot be lifted.
   reach. ABI >= 4 also refuses TCP bind/connect; ABI >= 6 scopes signals to the Landlock domain.
 """
 
+# Imported now, not lazily: it registers an at-fork hook, and asyncio imports it on the first
+# run_in_executor. Registered while another thread runs a preexec_fn fork (the sandbox's fork server, an
+# answer check), its after-fork release finds a lock its before-fork never took: "RuntimeError: release
+# unlocked lock" (reproduced: 1 in 20 runs of a thread forking in a loop beside that first import).
+import concurrent.futures.thread  # noqa: F401
 import ctypes
 import errno
 import functools

@@ -277,6 +277,19 @@ def test_fork_server_dies_with_a_killed_parent():
     assert sandbox_processes() == [], "the call outlived its killed parent"
 
 
+@pytest.mark.parametrize("module", ["envs.sandbox", "envs.verify"])
+def test_modules_that_fork_with_a_preexec_fn_import_the_at_fork_hooks_first(module):
+    """A module that registers an at-fork hook, imported by one thread while another forks with a
+    preexec_fn, makes that fork fail ("release unlocked lock": the hook's after-fork release of a lock
+    its before-fork never took). asyncio imports concurrent.futures.thread lazily, on the first
+    run_in_executor, which the rollout's event loop calls as the sandbox's fork server starts."""
+    import subprocess
+
+    code = f"import sys, {module}; print('concurrent.futures.thread' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True", "the fork hooks are registered lazily, racing a fork"
+
+
 def test_concurrency_cap_across_event_loops():
     """One Sandbox serves the rollout worker's loop and the trainer's eval loop at once (two threads):
     the cap holds across both, and neither loop trips over a primitive bound to the other."""
