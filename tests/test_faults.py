@@ -302,7 +302,7 @@ def test_server_killed_mid_rollout_and_restarted_the_run_goes_on(trainer_server,
         os.killpg(server.proc.pid, signal.SIGKILL)
         t_kill = time.monotonic()
         wait_for(lambda: "failed on 1 server" in log.read_text(), proc, log, 120, "the failed sync")
-        server_log_start = server.log_path.stat().st_size
+        server_log_start = server.log_size()
         server.restart()  # what a supervisor would do: same port, base weights, no transfer group
         server.wait_healthy(START_TIMEOUT)
         outage_s = time.monotonic() - t_kill
@@ -326,7 +326,7 @@ def test_server_killed_mid_rollout_and_restarted_the_run_goes_on(trainer_server,
     assert any(m["sync/servers_failed"] == 1 for m in metrics) and metrics[-1]["sync/servers_failed"] == 0
     # No token of the run came from the restarted server before it held the trainer's weights: in its
     # log, the first completion it served comes after the re-sync set its version.
-    restarted = server.log_path.read_text()[server_log_start:]
+    restarted = server.log_since(server_log_start)
     first_completion = restarted.index("POST /v1/completions")
     assert restarted.index("POST /update_weight_version") < first_completion, restarted[-3000:]
     # And what it holds now is the trainer's final model: same version tag, same logprobs.
