@@ -100,6 +100,7 @@ bench: install tiny-model
 	$(PY) bench/bench_sandbox.py --out bench/results.json
 	$(PY) bench/bench_packing.py --out bench/results.json
 	$(PY) bench/bench_fidelity.py --out bench/results.json
+	$(PY) bench/bench_openmp.py --out bench/results.json
 	$(PY) bench/table.py bench/results.json  # the README's table
 
 # Figure 1 as README's table has it: medians of 3 repeats (~25 min quiet), then the table.

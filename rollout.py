@@ -41,7 +41,7 @@ from records import (
     TurnRecord,
     group_metrics,
 )
-from sampling import FidelityError, ProbeSample, Sampling, probe_server, request_seed
+from sampling import PROBE_TOKENS, FidelityError, ProbeSample, Sampling, probe_server, request_seed
 
 logger = logging.getLogger(__name__)
 
@@ -266,7 +266,13 @@ class _ServerGone(_Retryable):
 
 
 def probe(
-    url: str, model_name: str, prompts: list[list[int]], sampling: Sampling, seed: int, bare: bool = True
+    url: str,
+    model_name: str,
+    prompts: list[list[int]],
+    sampling: Sampling,
+    seed: int,
+    bare: bool = True,
+    max_tokens: int = PROBE_TOKENS,
 ) -> dict[str, list[ProbeSample]]:
     """sampling.probe_server on one server through a client of its own (the fidelity probe at start-up
     and after each sync). Raises FidelityError when the server returns no token ids or no logprobs."""
@@ -275,7 +281,7 @@ def probe(
         client = VLLMClient([url], model_name, request_timeout_s=60.0, max_retries=2)
         await client.open()
         try:
-            return await probe_server(client.generate, prompts, sampling, seed, bare)
+            return await probe_server(client.generate, prompts, sampling, seed, bare, max_tokens)
         finally:
             await client.close()
 

@@ -149,6 +149,7 @@ BARE_TEMPERATURE = 0.5  # the probe's request that states only this: shows defau
 # TWIN_RATIO (+ the fp32 bound, for a server whose twin gap is 0). tiny-warm, fp32 server, trainer in
 # bf16: twin 0.040, bare 0.040, bare with repetition_penalty 1.05 1.13 nats (tests/test_fidelity.py).
 TOP_N = 20
+PROBE_TOKENS = 16  # per seeded probe completion at start-up (4 prompts × 3 kinds of request)
 TWIN_RATIO = 3.0
 
 
@@ -166,7 +167,12 @@ class ProbeSample:
 
 
 async def probe_server(
-    generate, prompts: list[list[int]], sampling: Sampling, seed: int, bare: bool = True, max_tokens: int = 16
+    generate,
+    prompts: list[list[int]],
+    sampling: Sampling,
+    seed: int,
+    bare: bool = True,
+    max_tokens: int = PROBE_TOKENS,
 ) -> dict[str, list[ProbeSample]]:
     """Seeded samples of `prompts`, by kind: "run" (the run's request fields) and, with `bare`, "bare" (a
     request stating only the temperature) and "twin" (every field stated at that temperature: the
@@ -254,9 +260,12 @@ def rescore(model, samples: list[ProbeSample], device, bf16: bool) -> list[Score
     for s in samples:
         ids = torch.tensor([s.prompt_ids + s.completion_ids], device=device)
         positions = torch.arange(ids.shape[1], device=device)[None]
+        # Only the positions that predict a completion token go through the vocabulary projection: the
+        # prompt's logits (most of the sequence, a real vocabulary's largest tensor) are never used.
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
-        logits = logits[len(s.prompt_ids) - 1 : -1]  # (completion length, V): each predicts its token
+            kept = len(s.completion_ids) + 1
+            logits = model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=kept).logits
+        logits = logits[0, :-1]  # (completion length, V): each predicts its token
         lp, _ = token_logprobs_and_entropy(logits, ids[0, len(s.prompt_ids) :], s.sampling)
         full = torch.log_softmax(processed_logits(logits, s.sampling), dim=-1)
         top = [full[j, list(d)].tolist() for j, d in enumerate(s.top)]

@@ -97,6 +97,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# Before torch loads its OpenMP runtime: on CPU the trainer shares the cores with the vLLM servers, the
+# rollout process and the sandbox, and OpenMP's default of spinning at every barrier starves them and
+# itself (a train step while a server generates: `python bench/bench_openmp.py`, figure 9). On GPU the
+# trainer's CPU threads barely use OpenMP (not measured there).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -120,7 +126,7 @@ from metrics import (
 )
 from rollout import AsyncRolloutWorker, VLLMClient, probe
 from rollout_process import RolloutProcess
-from sampling import TOP_N, FidelityError, verify_server, worst_gaps
+from sampling import PROBE_TOKENS, TOP_N, FidelityError, verify_server, worst_gaps
 from trainer import (
     NonFiniteWeights,
     follow_rank0,
@@ -468,9 +474,11 @@ def start_rollouts(
     bf16 = args.compute_dtype == "bf16" or serving_dtype == "bfloat16"  # either side bf16: the KL bound
 
     def probe_and_verify(url: str, bare: bool) -> dict[str, float]:
-        # After a sync (bare=False) two prompts are enough to see other weights, at half the cost.
+        # After a sync (bare=False) one prompt's 32-token completion compares as many positions as two
+        # of 16 did, at half the re-scoring cost: the forward's cost is mostly the prompt.
         prompts = probe_prompts if bare else probe_prompts[:PER_SYNC_PROMPTS]
-        samples = probe(url, model_name, prompts, sampling_of(args), args.seed, bare)
+        max_tokens = PROBE_TOKENS if bare else PER_SYNC_TOKENS
+        samples = probe(url, model_name, prompts, sampling_of(args), args.seed, bare, max_tokens)
         return verify_server(url, samples, run.model, bf16, run.world_size, device)
 
     run.probe = probe_and_verify
@@ -537,7 +545,7 @@ def sync_if_due(run: Run) -> dict[str, float]:
     return sync
 
 
-PER_SYNC_PROMPTS = 2  # of the start-up probe's 4: the check's cost is their re-scoring forwards
+PER_SYNC_PROMPTS, PER_SYNC_TOKENS = 1, 32  # the start-up probe's first prompt; bench/bench_fidelity.py
 
 
 def verify_after_sync(run: Run) -> dict[str, float]:

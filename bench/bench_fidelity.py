@@ -3,20 +3,24 @@
     python bench/bench_fidelity.py [--model models/tiny-warm] [--repeats 5] [--out bench/results.json]
 
 One real vLLM server on the model; the check is what train_async_grpo.verify_after_sync runs for each
-server after a sync: the probe's PER_SYNC_PROMPTS (2) seeded 16-token completions with their top-20 logprobs
-(rollout.probe, run request only) re-scored by the trainer (sampling.verify_server). The step is one
-train_step on a batch of the default shape (--prompts-per-step 8 × --num-generations 8 sequences of
-~300 tokens, random ids: the cost does not depend on them). Both medians over --repeats, in the same
-run; the figure is their ratio. Prints one JSON object; with --out it is merged into that file.
+server after a sync: the probe's PER_SYNC_PROMPTS (1) seeded PER_SYNC_TOKENS (32)-token completions
+with their top-20 logprobs (rollout.probe, run request only) re-scored by the trainer
+(sampling.verify_server). The step is one train_step on a batch of the default shape
+(--prompts-per-step 8 × --num-generations 8 sequences of ~300 tokens, random ids: the cost does not
+depend on them). Both medians over --repeats, in the same run; the figure is their ratio. Prints one
+JSON object; with --out it is merged into that file.
 """
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as train_async_grpo.py: before torch loads OpenMP
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -28,7 +32,7 @@ from envs import episode_maker  # noqa: E402
 from envs.data import load_rows  # noqa: E402
 from rollout import probe  # noqa: E402
 from sampling import Sampling, verify_server  # noqa: E402
-from train_async_grpo import PER_SYNC_PROMPTS  # noqa: E402
+from train_async_grpo import PER_SYNC_PROMPTS, PER_SYNC_TOKENS  # noqa: E402
 from trainer import train_step  # noqa: E402
 from vllm_server import start_vllm_server  # noqa: E402
 
@@ -66,7 +70,7 @@ def main() -> None:
             t0 = time.perf_counter()
             verify_server(
                 server.url,
-                probe(server.url, args.model, prompts, Sampling(), 0, bare=False),
+                probe(server.url, args.model, prompts, Sampling(), 0, False, PER_SYNC_TOKENS),
                 model,
                 False,
                 1,
