@@ -1,13 +1,14 @@
 """Shared fixtures and the fast/slow split.
 
 Servers: one real vLLM server on the warm tiny model (`make tiny-model`; it calls tools, so multi-turn
-tests have real tool calls) for the whole session, not one per module (a start-up costs ~40 s on 2
-cores). It starts in the background when collection ends, so its start-up overlaps the tests before its
-first use. Tests take it as one of two fixtures:
+tests have real tool calls) for the whole session, not one per module (a start-up costs ~20 s on 2
+cores), and one on tiny-warm2 (Qwen3 thinking: `warm2_server`). Each starts in the background when
+collection ends, so its start-up overlaps the tests before its first use. Tests take the warm one as one
+of two fixtures (a module may take both when its `vllm_server` tests come first):
 - `vllm_server`: with the model's own weights (tests compare its logprobs with the checkpoint on disk);
 - `trainer_server`: for training runs, which push their weights into it, and faults that kill it.
 Tests that need another model or server configuration (other flags, a killed parent, a network
-namespace) start their own.
+namespace) start their own, side by side when a module needs more than one (`side_by_side`).
 
 The split: a test is `slow` when it uses a vLLM server, a warm model or a training run: it asks for a
 fixture named like a server (`*server*`) or listed in SLOW_FIXTURES, is marked `slow` itself, or is in
@@ -15,7 +16,13 @@ SLOW_TESTS (measured: more than a few seconds without an engine). `make test-fas
 (`-m "not slow"`); `make test` runs everything."""
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+# Before torch loads OpenMP (as train_async_grpo.py does): the suite's in-process training shares the
+# cores with the servers it starts, and spinning OpenMP threads starve both.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 import torch
@@ -77,29 +84,58 @@ def served_model() -> Path:
     return model_dir("tiny-warm")
 
 
-_background: list[VLLMServer] = []  # the warm server, started at collection when a test will use it
-_weights = {"changed": False}  # True once a test was handed the server as `trainer_server`
+# The session's servers, started at collection when a test will use them (fixture name → model).
+SESSION_SERVERS = {"warm_server": "tiny-warm", "warm2_server": "tiny-warm2"}
+_background: dict[str, VLLMServer] = {}
+_weights = {"changed": False}  # True once a test was handed the warm server as `trainer_server`
 
 
 def pytest_collection_finish(session) -> None:
-    """Start the session's server now, without waiting: its start-up overlaps the tests before it."""
+    """Start the session's servers now, without waiting: their start-ups overlap the tests before them."""
     names = {n for item in session.items for n in item.fixturenames}
-    model = REPO / "models" / "tiny-warm"
-    if not session.config.option.collectonly and names & {"vllm_server", "trainer_server"} and model.exists():
-        _background.append(start_vllm_server(str(model), wait=False))  # logs: a temp dir, vllm-logs-*
+    for fixture, model in SESSION_SERVERS.items():  # `names` holds each test's fixtures and theirs
+        path = REPO / "models" / model
+        if not session.config.option.collectonly and fixture in names and path.exists():
+            _background[fixture] = start_vllm_server(str(path), wait=False)  # logs: vllm-logs-* in /tmp
+
+
+def _session_server(fixture: str, tmp_path_factory):
+    server = _background.pop(fixture, None) or start_vllm_server(
+        str(model_dir(SESSION_SERVERS[fixture])), log_dir=tmp_path_factory.mktemp("vllm"), wait=False
+    )
+    server.wait_healthy(START_TIMEOUT)
+    yield server
+    server.stop()
+    assert group_pids(server.proc.pid) == [], "processes of a session's vLLM server outlived stop()"
 
 
 @pytest.fixture(scope="session")
 def warm_server(served_model, tmp_path_factory):
     """The session's one server on the warm model; tests take it as `vllm_server` or `trainer_server`."""
-    server = _background.pop() if _background else None
-    server = server or start_vllm_server(
-        str(served_model), log_dir=tmp_path_factory.mktemp("vllm"), wait=False
-    )
-    server.wait_healthy(START_TIMEOUT)
-    yield server
-    server.stop()
-    assert group_pids(server.proc.pid) == [], "processes of the session's vLLM server outlived stop()"
+    yield from _session_server("warm_server", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def warm2_server(tmp_path_factory):
+    """The session's server on models/tiny-warm2 (the official Qwen3 thinking template, a `<think>` block
+    opening every turn, two parallel calls per tool turn): the flag matrix trains into it, so a test that
+    needs the model's own weights pushes them in first (`push_weights`)."""
+    yield from _session_server("warm2_server", tmp_path_factory)
+
+
+@contextmanager
+def side_by_side(log_dir: Path, *specs: dict) -> Iterator[list[VLLMServer]]:
+    """Servers of a module's own (each spec: `start_vllm_server`'s arguments), started at once: a
+    start-up is mostly one core importing vLLM, so two side by side on 2 cores take about as long as one.
+    Waits for all; stops all at the end."""
+    servers = [start_vllm_server(log_dir=log_dir, wait=False, **spec) for spec in specs]
+    try:
+        for server in servers:
+            server.wait_healthy(START_TIMEOUT)
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
 
 
 def push_weights(url: str, model_path: Path, version: int = 0) -> None:
@@ -141,5 +177,6 @@ def trainer_server(warm_server):
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
-    for server in _background:  # started, never used (no test that wanted it ran: -x, a failed model)
+    # Started, never used (no test that wanted it ran: -x, a failed model).
+    for server in _background.values():
         server.stop()

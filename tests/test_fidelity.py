@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import side_by_side
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from chat_format import ChatTemplate
@@ -18,14 +19,15 @@ from envs import episode_maker
 from envs.data import load_rows
 from rollout import GenerationError, VLLMClient, probe
 from sampling import FidelityError, Sampling, verify_server
-from vllm_server import start_vllm_server
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def penalty_servers(tmp_path_factory, served_model):
-    """(faithful server, server applying repetition_penalty 1.05 from generation_config.json)."""
+def own_servers(tmp_path_factory, served_model):
+    """(a server applying repetition_penalty 1.05 from generation_config.json, a server started with raw
+    logprobs: no sync can put it in step at T ≠ 1), side by side. The faithful server beside each is
+    the session's."""
     pen = tmp_path_factory.mktemp("tiny-warm-penalty")
     for f in served_model.iterdir():
         if f.name != "generation_config.json":
@@ -33,18 +35,12 @@ def penalty_servers(tmp_path_factory, served_model):
     (pen / "generation_config.json").write_text(
         json.dumps({"repetition_penalty": 1.05, "eos_token_id": [2, 0]})
     )
-    log_dir = tmp_path_factory.mktemp("vllm-fidelity")
-    plain = start_vllm_server(str(served_model), log_dir=log_dir, wait=False)
-    auto = start_vllm_server(
-        str(pen), log_dir=log_dir, extra_args=["--generation-config", "auto"], wait=False
-    )
-    try:
-        plain.wait_healthy(600)
-        auto.wait_healthy(600)
-        yield (plain, str(served_model)), (auto, str(pen))
-    finally:
-        plain.stop()
-        auto.stop()
+    with side_by_side(
+        tmp_path_factory.mktemp("vllm-fidelity"),
+        dict(model=str(pen), extra_args=["--generation-config", "auto"]),
+        dict(model=str(served_model), extra_args=["--logprobs-mode", "raw_logprobs"]),
+    ) as (penalty, raw):
+        yield (penalty, str(pen)), raw
 
 
 def _prompts(model_dir: Path) -> list[list[int]]:
@@ -58,9 +54,9 @@ def _prompts(model_dir: Path) -> list[list[int]]:
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_a_repetition_penalty_is_refused_in_bf16_and_fp32_and_a_faithful_server_passes(
-    penalty_servers, served_model, bf16
+    vllm_server, own_servers, served_model, bf16
 ):
-    (plain, plain_name), (auto, auto_name) = penalty_servers
+    (plain, plain_name), (auto, auto_name) = (vllm_server, str(served_model)), own_servers[0]
     model = AutoModelForCausalLM.from_pretrained(served_model, dtype=torch.float32)
     prompts, cpu = _prompts(served_model), torch.device("cpu")
     samples = probe(plain.url, plain_name, prompts, Sampling(1.0), seed=0)
@@ -90,32 +86,15 @@ def _weight_version(url: str) -> str:
         return json.loads(r.read())["weight_version"]
 
 
-@pytest.fixture(scope="module")
-def sync_servers(tmp_path_factory, served_model):
-    """(a faithful server, one started with raw logprobs: no sync can put it in step at T ≠ 1)."""
-    log_dir = tmp_path_factory.mktemp("vllm-per-sync")
-    good = start_vllm_server(str(served_model), log_dir=log_dir, wait=False)
-    raw = start_vllm_server(
-        str(served_model), log_dir=log_dir, extra_args=["--logprobs-mode", "raw_logprobs"], wait=False
-    )
-    try:
-        good.wait_healthy(600)
-        raw.wait_healthy(600)
-        yield good, raw
-    finally:
-        good.stop()
-        raw.stop()
-
-
 @pytest.mark.timeout(900)
 def test_per_sync_check_resyncs_a_server_given_other_weights_and_takes_out_one_that_stays_out(
-    sync_servers, served_model, tiny_model, tmp_path, capsys
+    trainer_server, own_servers, served_model, tiny_model, tmp_path, capsys
 ):
     from train_async_grpo import Run, parser, verify_after_sync
     from trainer import sync_weights
     from weight_sync import WeightSyncer
 
-    good, raw = sync_servers
+    good, raw = trainer_server, own_servers[1]  # the session's server is the faithful one
     args = parser.parse_args(["--model", str(served_model), "--temperature", "0.7"])
     model = AutoModelForCausalLM.from_pretrained(served_model, dtype=torch.float32)
     cpu, prompts = torch.device("cpu"), _prompts(served_model)

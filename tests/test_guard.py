@@ -109,26 +109,22 @@ def _resume_point(model_dir: Path, out: Path) -> Path:
 
 
 @pytest.mark.timeout(900)
-def test_nonfinite_steps_are_not_applied_nor_synced_and_k_in_a_row_stop_the_run(served_model, tmp_path):
-    from vllm_server import start_vllm_server
-
+def test_nonfinite_steps_are_not_applied_nor_synced_and_k_in_a_row_stop_the_run(
+    served_model, trainer_server, tmp_path
+):
     nan_model = _nan_model(served_model, tmp_path / "nan-model")
     ckpt = _resume_point(served_model, tmp_path / "seed-run")
-    server = start_vllm_server(str(served_model), log_dir=tmp_path / "logs", timeout_s=600)
-    try:
-        out = tmp_path / "run"
-        cmd = [
-            sys.executable, str(REPO / "train_async_grpo.py"), "--model", str(nan_model), "--env", "retool",
-            "--resume", str(ckpt), "--kl-beta", "0.1", "--vllm-url", server.url, "--output-dir", str(out),
-            "--max-steps", "5", "--max-nonfinite-steps", "2", "--prompts-per-step", "1",
-            "--num-generations", "2", "--max-context", "512", "--max-turns", "2", "--keep-zero-variance",
-            "--sandbox-workers", "2", "--batch-timeout", "300", "--unsafe-sandbox",
-        ]  # fmt: skip
-        p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=800)
-        with urllib.request.urlopen(server.url + "/weight_info", timeout=10) as r:
-            served_version = json.loads(r.read())["weight_version"]
-    finally:
-        server.stop()
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable, str(REPO / "train_async_grpo.py"), "--model", str(nan_model), "--env", "retool",
+        "--resume", str(ckpt), "--kl-beta", "0.1", "--vllm-url", trainer_server.url, "--output-dir", str(out),
+        "--max-steps", "5", "--max-nonfinite-steps", "2", "--prompts-per-step", "1",
+        "--num-generations", "2", "--max-context", "512", "--max-turns", "2", "--keep-zero-variance",
+        "--sandbox-workers", "2", "--batch-timeout", "300", "--unsafe-sandbox",
+    ]  # fmt: skip
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=800)
+    with urllib.request.urlopen(trainer_server.url + "/weight_info", timeout=10) as r:
+        served_version = json.loads(r.read())["weight_version"]
     assert p.returncode == 1, p.stderr[-3000:]
     named = [x for x in p.stderr.splitlines() if "non-finite loss nan" in x and "update not applied" in x]
     assert len(named) == 2 and "(first at model." in named[0], p.stderr[-3000:]

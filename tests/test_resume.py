@@ -13,11 +13,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import pytest
 import torch
 
 from batches import StreamPosition, row_stream
-from vllm_server import start_vllm_server
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = REPO / "models" / "tiny-warm"
@@ -115,48 +113,42 @@ def _finish(proc: subprocess.Popen, log: Path) -> None:
     assert proc.wait(timeout=600) == 0, log.read_text()[-4000:]
 
 
-@pytest.mark.slow
-def test_kill_with_slow_groups_in_flight_then_resume_trains_every_row_once(tmp_path):
+def test_kill_with_slow_groups_in_flight_then_resume_trains_every_row_once(trainer_server, tmp_path):
     data = tmp_path / "heavy.jsonl"
     _dataset(data)
-    server = start_vllm_server(str(MODEL), max_model_len=768, log_dir=tmp_path, timeout_s=600)
-    try:
-        # 1. --max-staleness 2: six groups admitted, the three slow ones (4 tool round trips of 60 s here:
-        #    they cannot finish) stay in flight while the fast ones are trained. Killed after step 2.
-        killed = tmp_path / "killed"
-        proc = _run(_trainer(server.url, data, killed, 2), tmp_path / "killed.log", tool_turn_s=60)
-        ckpt = killed / "checkpoints" / "step_000002"
-        deadline = time.monotonic() + 600
-        while not ckpt.exists():
-            assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-4000:]
-            assert time.monotonic() < deadline, "no step-2 checkpoint after 600 s"
-            time.sleep(0.2)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-        for later in (killed / "checkpoints").glob("step_*"):
-            if later != ckpt:
-                subprocess.run(["rm", "-rf", str(later)], check=True)
-        state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
-        before, before_len = _trained(killed, upto=2)
-        in_flight = set(range(state["dataset_position"])) - set(before)
-        assert set(SLOW) <= in_flight, (in_flight, before)  # the slow groups were in flight at the checkpoint
+    server = trainer_server  # every run pushes its own weights (lr 0: the model's) in at start-up
+    # 1. --max-staleness 2: six groups admitted, the three slow ones (4 tool round trips of 60 s here:
+    #    they cannot finish) stay in flight while the fast ones are trained. Killed after step 2.
+    killed = tmp_path / "killed"
+    proc = _run(_trainer(server.url, data, killed, 2), tmp_path / "killed.log", tool_turn_s=60)
+    ckpt = killed / "checkpoints" / "step_000002"
+    deadline = time.monotonic() + 600
+    while not ckpt.exists():
+        assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-4000:]
+        assert time.monotonic() < deadline, "no step-2 checkpoint after 600 s"
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for later in (killed / "checkpoints").glob("step_*"):
+        if later != ckpt:
+            subprocess.run(["rm", "-rf", str(later)], check=True)
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    before, before_len = _trained(killed, upto=2)
+    in_flight = set(range(state["dataset_position"])) - set(before)
+    assert set(SLOW) <= in_flight, (in_flight, before)  # the slow groups were in flight at the checkpoint
 
-        # 2. --resume with --max-staleness 0, the tool round trips at 2 s: the pending rows come first, then
-        #    the stream from the frontier, P rows per step in order, so the run ends at a known row.
-        skip = (len(_lines(killed / "metrics.jsonl")), len(_lines(killed / "completions.jsonl")))
-        proc = _run(
-            _trainer(server.url, data, killed, 0, "--resume"), tmp_path / "resumed.log", tool_turn_s=2
-        )
-        _finish(proc, tmp_path / "resumed.log")
-        after, after_len = _trained(killed, skip=skip)
+    # 2. --resume with --max-staleness 0, the tool round trips at 2 s: the pending rows come first, then
+    #    the stream from the frontier, P rows per step in order, so the run ends at a known row.
+    skip = (len(_lines(killed / "metrics.jsonl")), len(_lines(killed / "completions.jsonl")))
+    proc = _run(_trainer(server.url, data, killed, 0, "--resume"), tmp_path / "resumed.log", tool_turn_s=2)
+    _finish(proc, tmp_path / "resumed.log")
+    after, after_len = _trained(killed, skip=skip)
 
-        # 3. Uninterrupted (--max-staleness 0, which trains the stream's first STEPS · P rows in order).
-        whole = tmp_path / "whole"
-        proc = _run(_trainer(server.url, data, whole, 0), tmp_path / "whole.log", tool_turn_s=2)
-        _finish(proc, tmp_path / "whole.log")
-        reference, reference_len = _trained(whole)
-    finally:
-        server.stop()
+    # 3. Uninterrupted (--max-staleness 0, which trains the stream's first STEPS · P rows in order).
+    whole = tmp_path / "whole"
+    proc = _run(_trainer(server.url, data, whole, 0), tmp_path / "whole.log", tool_turn_s=2)
+    _finish(proc, tmp_path / "whole.log")
+    reference, reference_len = _trained(whole)
 
     assert sorted(reference) == list(range(STEPS * P))
     lost = set(reference) - set(before) - set(after)

@@ -34,7 +34,7 @@ from rollout import (
     tool_loop_rollout,
 )
 from sampling import Sampling, token_logprobs_and_entropy
-from vllm_server import free_port, start_vllm_server
+from vllm_server import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -903,18 +903,6 @@ def test_max_staleness_zero_is_synchronous(vllm_server, served_model):
     assert set(first[0].metrics) == set(second.metrics)  # the same keys from every group
 
 
-@pytest.fixture(scope="module")
-def warm2_server(tmp_path_factory):
-    """A server of its own on models/tiny-warm2: the official Qwen3 thinking template, a `<think>` block
-    opening every turn, two parallel calls per tool turn."""
-    from conftest import model_dir
-
-    model = model_dir("tiny-warm2")
-    server = start_vllm_server(str(model), log_dir=tmp_path_factory.mktemp("vllm-warm2"), timeout_s=600)
-    yield server, model
-    server.stop()
-
-
 @pytest.mark.timeout(900)
 def test_real_qwen3_thinking_with_parallel_calls_rescores_exactly(warm2_server):
     """Qwen3 thinking and hermes parallel calls on the real engine. The template re-renders past reasoning
@@ -923,7 +911,10 @@ def test_real_qwen3_thinking_with_parallel_calls_rescores_exactly(warm2_server):
     run together and their responses come back grouped in one user turn, as the template renders them.
     Each turn's ids are the vLLM returns of its requests, back to back, and re-scoring the whole sequence
     reproduces μ."""
-    server, model_path = warm2_server
+    from conftest import model_dir, push_weights
+
+    server, model_path = warm2_server, model_dir("tiny-warm2")
+    push_weights(server.url, model_path)  # the session's server: the flag matrix trained into it
     sampling = Sampling(1.0)
     groups, client, template, tokenizer = real_retool_groups(
         server.url, model_path, 6, max_calls_per_turn=3, max_context=1024, sampling=sampling.request_fields()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import side_by_side
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
 from rollout import VLLMClient, probe
@@ -24,7 +25,6 @@ from sampling import (
     token_logprobs_and_entropy,
     verify_server,
 )
-from vllm_server import start_vllm_server
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = [5, 17, 42, 99, 7, 250, 3, 64, 128, 11, 300, 21]
@@ -99,18 +99,12 @@ def test_request_fields_pin_every_field_a_generation_config_can_set():
 # ---------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory, tiny_model):
-    log_dir = tmp_path_factory.mktemp("vllm-sampling")
-    auto = start_vllm_server(
-        str(tiny_model), log_dir=log_dir, extra_args=["--generation-config", "auto"], wait=False
-    )
-    plain = start_vllm_server(str(tiny_model), log_dir=log_dir, wait=False)
-    try:
-        auto.wait_healthy(600)
-        plain.wait_healthy(600)
+    with side_by_side(
+        tmp_path_factory.mktemp("vllm-sampling"),
+        dict(model=str(tiny_model), extra_args=["--generation-config", "auto"]),
+        dict(model=str(tiny_model)),
+    ) as (auto, plain):
         yield auto, plain
-    finally:
-        auto.stop()
-        plain.stop()
 
 
 def generate_all(urls_and_requests: list[tuple[str, dict]], model: str, sequential: bool = False) -> list:

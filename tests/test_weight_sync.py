@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import side_by_side
 from transformers import AutoModelForCausalLM
 
 import weight_sync
-from vllm_server import start_vllm_server
 from weight_sync import WeightSyncer, WeightSyncError
 
 pytestmark = pytest.mark.timeout(400)
@@ -36,28 +36,31 @@ def _model_dir(name: str, tie: bool) -> str:
     return str(path)
 
 
-def _start(model: str, tmp_path_factory):
-    return start_vllm_server(
-        model, extra_args=["--enforce-eager"], log_dir=tmp_path_factory.mktemp("vllm"), timeout_s=300
-    )
+@pytest.fixture(scope="module")
+def server_a(trainer_server):
+    """The session's server: its tiny-warm has tiny's shapes, so a sync of tiny's weights replaces it."""
+    return trainer_server
 
 
 @pytest.fixture(scope="module")
-def server_a(tmp_path_factory):
-    with _start(_model_dir("tiny", tie=False), tmp_path_factory) as s:
-        yield s
+def own_servers(tmp_path_factory):
+    """(server_b on tiny, server_tied on tiny-tied), started side by side."""
+    with side_by_side(
+        tmp_path_factory.mktemp("vllm"),
+        dict(model=_model_dir("tiny", tie=False)),
+        dict(model=_model_dir("tiny-tied", tie=True)),
+    ) as servers:
+        yield servers
 
 
 @pytest.fixture(scope="module")
-def server_b(tmp_path_factory):
-    with _start(_model_dir("tiny", tie=False), tmp_path_factory) as s:
-        yield s
+def server_b(own_servers):
+    return own_servers[0]
 
 
 @pytest.fixture(scope="module")
-def server_tied(tmp_path_factory):
-    with _start(_model_dir("tiny-tied", tie=True), tmp_path_factory) as s:
-        yield s
+def server_tied(own_servers):
+    return own_servers[1]
 
 
 def load_trainer_model(name: str) -> torch.nn.Module:
@@ -116,6 +119,7 @@ def test_sync_one_server_twice(server_a):
     perturb(model, seed=1)
     assert max_diff(model, server_a.url) > 10 * TOL  # the perturbation is visible before the sync
 
+    log_start = server_a.log_size()  # the session's server: earlier tests' calls are before it
     syncer = WeightSyncer([server_a.url])
     syncer.init()
     metrics = syncer.sync(model.named_parameters(), version=1)
@@ -132,7 +136,7 @@ def test_sync_one_server_twice(server_a):
     assert len(syncer.stores) == 1 and len(syncer.groups) == 1
     calls = [
         x.split('"POST ')[1].split()[0]
-        for x in server_a.log_path.read_text().splitlines()
+        for x in server_a.log_since(log_start).splitlines()
         if "_weight_transfer_engine HTTP" in x
     ]
     assert calls == ["/shutdown_weight_transfer_engine", "/init_weight_transfer_engine"] * 3, calls
