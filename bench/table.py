@@ -79,11 +79,17 @@ def rows(r: dict) -> list[tuple[str, str, str, str]]:
         ))  # fmt: skip
     for key in sorted(k for k in r if k.startswith("weight_sync")):
         w = r[key]
+        label = f", {w['label']}" if "label" in w else ""
         out.append((
-            f"4. weight sync ({w['mb']} MB, widen {w['widen']}): sync s / raw gloo s",
-            f"{w['sync_over_raw']}x ({w['sync_seconds']} s, {w['sync_mb_per_s']} MB/s vs "
-            f"{w['raw_gloo_seconds']} s, {w['raw_gloo_mb_per_s']} MB/s)",
-            "raw gloo broadcast over loopback TCP, plus the protocol's HTTP round trips",
+            f"4. weight sync ({w['mb']} MB, widen {w['widen']}{label}): sync s / raw gloo s, / bound s",
+            f"{w['sync_over_raw']}x raw, {w['sync_over_bound']}x bound ({w['sync_seconds']} s vs raw "
+            f"{w['raw_gloo_seconds']} s; bound {w['bound_seconds']} s = raw + vLLM's own reload "
+            f"{w['vllm_reload_seconds']['total']} s)",
+            w.get(
+                "limits",
+                "vLLM: its reload (a fresh tensor per layer, two copies, the CPU GEMM re-pack) and its pause "
+                "(a 20 ms sleep inside); the six HTTP round trips; 2 cores for sender, receiver and loader",
+            ),
             w.get("command", "python bench/bench_weight_sync.py"),
         ))  # fmt: skip
     if "sandbox" in r:
@@ -132,6 +138,24 @@ def rows(r: dict) -> list[tuple[str, str, str, str]]:
             "the server: no cost measurable at ±20 % run-to-run noise (loaded machine; seeded was the "
             "faster in 6 of 8 alternating pairs, cause not investigated)",
             d["command"],
+        ))  # fmt: skip
+    if "fidelity_check_share_of_step" in r:
+        f = r["fidelity_check_share_of_step"]
+        out.append((
+            "8. per-sync fidelity check / train step (one server)",
+            f"{f['share']} ({f['check_s']} s / {f['train_step_s']} s; goal ≤ 0.05)",
+            "one seeded 32-token completion and the trainer's forward of its ~390 tokens; the step: 64 "
+            "sequences of 300 tokens", f["command"],
+        ))  # fmt: skip
+    if "openmp_wait_policy" in r:
+        o = r["openmp_wait_policy"]
+        s = o["step_s"]
+        out.append((
+            "9. trainer step s, OpenMP spinning (default) / passive: alone, while a server generates",
+            f"{o['spinning_over_passive_alone']}x, {o['spinning_over_passive_busy']}x "
+            f"({s['default_alone']} / {s['PASSIVE_alone']} s, {s['default_busy']} / {s['PASSIVE_busy']} s)",
+            "2 cores shared with the server: a spinning thread holds a core the server (or the other "
+            "trainer thread it waits for) needs", o["command"],
         ))  # fmt: skip
     return out
 
