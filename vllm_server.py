@@ -6,8 +6,8 @@ host's addresses (a free port, our end of the route to a server on another host)
     python vllm_server.py --model models/tiny            # serve until Ctrl-C
     python vllm_server.py --model models/tiny --host 0.0.0.0   # for a trainer on another host
 
-Each server runs `python -m vllm.entrypoints.openai.api_server` in its own session (process group), so
-stopping it kills the API process and every engine process it spawned. `VLLM_SERVER_DEV_MODE=1` exposes
+Each server runs vLLM's `vllm.entrypoints.openai.api_server` in its own session (process group), so
+stopping it kills the API process and every engine process it started. `VLLM_SERVER_DEV_MODE=1` exposes
 the /pause, /resume and weight-transfer routes; `--logprobs-mode processed_logprobs` makes the returned
 logprobs the ones the sampler used (after temperature), which is what the GRPO loss needs as μ.
 """
@@ -28,6 +28,18 @@ from collections.abc import Collection
 from pathlib import Path
 
 import torch
+
+# The API server's entry point, with its engine-core process forked from it instead of spawned: on CPU
+# the platform forces spawn for every process vLLM starts, and a spawned engine core imports vLLM again
+# (~7 of a start-up's ~17 s on 2 cores). Forked is vLLM's own default where CUDA is not initialised
+# (VLLM_WORKER_MULTIPROC_METHOD); used on CPU with one rank, where the engine core runs the model itself
+# (no worker processes) and the API server has run no torch op (no OpenMP pool to inherit).
+FORKED_ENGINE_CORE = """
+import multiprocessing, runpy
+import vllm.v1.engine.utils
+vllm.v1.engine.utils.get_mp_context = lambda: multiprocessing.get_context("fork")
+runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
+"""
 
 # Engine processes started by this Python process; killed at exit even if the caller forgot.
 _live_servers: list["VLLMServer"] = []
@@ -267,8 +279,10 @@ def start_vllm_server(
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="vllm-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"vllm-{port}.log"
+    on_cpu_one_rank = not on_gpu and tensor_parallel_size == 1
+    entry = ["-c", FORKED_ENGINE_CORE] if on_cpu_one_rank else ["-m", "vllm.entrypoints.openai.api_server"]
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        sys.executable, *entry,
         "--model", str(model),
         "--host", host,
         "--port", str(port),
@@ -305,12 +319,12 @@ def start_vllm_server(
             env["CUDA_VISIBLE_DEVICES"] = physical_gpus(visible_devices)
     else:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
-        if tensor_parallel_size == 1:
+        if on_cpu_one_rank:
             # The worker inside the engine-core process: vLLM's default executor for one rank ("uni"),
             # which the CPU platform replaces with a spawned worker process unless this variable is off
             # (the API server still runs the engine core in a process of its own). One process fewer
             # to import vLLM: a start-up 25 -> 18 s, no message queue between engine core and worker;
-            # generation throughput measured the same.
+            # generation throughput measured the same. FORKED_ENGINE_CORE takes it to ~10 s.
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if cpus is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpus

@@ -2,6 +2,7 @@
 exit 2 with argparse's usage for what check_args finds, exit 1 for a dataset that cannot be used. No
 traceback, no hang."""
 
+import json
 import os
 import subprocess
 import sys
@@ -33,35 +34,82 @@ def test_bad_arguments_fail_before_anything_starts(capsys, tiny_model):
         assert name in capsys.readouterr().err
 
 
+# Each case of the test below in a fork of one interpreter that has imported the script (as `python
+# train_async_grpo.py` would: the same argv[0], uncaught exceptions printed and exit 1): an interpreter
+# start-up is ~4 s of imports (torch, transformers), and ten of them were ~1 min of the suite.
+FORKS = r"""
+import json, os, sys, traceback
+sys.argv[0] = "train_async_grpo.py"  # argparse's prog, read when the parser is built at import
+sys.path.insert(0, os.getcwd())
+import train_async_grpo
+
+children = {}
+for k, (argv, out, err) in enumerate(json.loads(sys.argv[1])):
+    pid = os.fork()
+    if pid:
+        children[pid] = k
+        continue
+    for fd, path in ((1, out), (2, err)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    try:
+        train_async_grpo.main(argv)
+        code = 0
+    except SystemExit as e:  # what the interpreter does with it
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(code)
+codes = {}
+while children:
+    pid, status = os.wait()
+    codes[children.pop(pid)] = os.waitstatus_to_exitcode(status)
+print(json.dumps([codes[k] for k in sorted(codes)]))
+"""
+
+
 def test_each_bad_argument_is_one_line_and_no_traceback(tmp_path, tiny_model):
-    """The script itself, once per bad argument (all at once: each is an interpreter start-up)."""
+    """The script, once per bad argument: one case as `python train_async_grpo.py` itself (it needs its
+    own environment), the others forked from one interpreter that imported it (FORKS)."""
     (tmp_path / "empty.jsonl").write_text("\n")
     (tmp_path / "garbled.jsonl").write_text('{"question": "1+1?", "answer": "2"}\nnot json\n')
     (tmp_path / "a-file").write_text("")
-    offline = {"HF_HUB_OFFLINE": "1"}
-    cases = [  # (extra arguments, environment, exit code, what the line must say)
-        (["--model", "/nonexistent"], {}, 2, "--model: /nonexistent does not exist"),
-        (["--model", "models/no-such-model"], offline, 2, "not in the Hugging Face cache"),
-        (["--model", "no-such-org-x1/no-such-model-x1"], {}, 2, "not in the Hugging Face cache"),
-        (["--model", str(REPO / "data")], {}, 2, "has no config.json"),
-        (["--dataset", "README.md"], {}, 2, "--dataset: README.md is not a .jsonl or .parquet file"),
-        (["--vllm-url", "http://127.0.0.1:9"], {}, 2, "--vllm-url: no vLLM server answers at"),
-        (["--output-dir", str(tmp_path / "a-file" / "run")], {}, 2, "--output-dir: cannot create"),
-        (["--chat-template", str(tmp_path / "nope.jinja")], {}, 2, "--chat-template: "),
-        (["--dataset", str(tmp_path / "empty.jsonl")], {}, 1, "empty.jsonl: no rows"),
-        (["--dataset", str(tmp_path / "garbled.jsonl")], {}, 1, "garbled.jsonl: line 2: not JSON"),
+    cases = [  # (extra arguments, exit code, what the line must say)
+        (["--model", "/nonexistent"], 2, "--model: /nonexistent does not exist"),
+        (["--model", "no-such-org-x1/no-such-model-x1"], 2, "not in the Hugging Face cache"),
+        (["--model", str(REPO / "data")], 2, "has no config.json"),
+        (["--dataset", "README.md"], 2, "--dataset: README.md is not a .jsonl or .parquet file"),
+        (["--vllm-url", "http://127.0.0.1:9"], 2, "--vllm-url: no vLLM server answers at"),
+        (["--output-dir", str(tmp_path / "a-file" / "run")], 2, "--output-dir: cannot create"),
+        (["--chat-template", str(tmp_path / "nope.jinja")], 2, "--chat-template: "),
+        (["--dataset", str(tmp_path / "empty.jsonl")], 1, "empty.jsonl: no rows"),
+        (["--dataset", str(tmp_path / "garbled.jsonl")], 1, "garbled.jsonl: line 2: not JSON"),
     ]
-    procs = []
-    for extra, env, _, _ in cases:
-        argv = ["--model", str(tiny_model), "--output-dir", str(tmp_path / "out"), *extra]
-        procs.append(subprocess.Popen(
-            [sys.executable, str(REPO / "train_async_grpo.py"), *argv], cwd=REPO, text=True,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, **env),
-        ))  # fmt: skip
-    for (extra, _, code, says), proc in zip(cases, procs):
-        out, err = proc.communicate(timeout=300)
+    common = ["--model", str(tiny_model), "--output-dir", str(tmp_path / "out")]
+    # HF_HUB_OFFLINE is read when huggingface_hub is imported: this case is an interpreter of its own.
+    offline = subprocess.Popen(
+        [sys.executable, str(REPO / "train_async_grpo.py"), *common, "--model", "models/no-such-model"],
+        cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    )  # fmt: skip
+    files = [(tmp_path / f"{k}.out", tmp_path / f"{k}.err") for k in range(len(cases))]
+    plan = [([*common, *extra], str(out), str(err)) for (extra, _, _), (out, err) in zip(cases, files)]
+    forks = subprocess.run(
+        [sys.executable, "-c", FORKS, json.dumps(plan)], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert forks.returncode == 0, forks.stderr[-3000:]
+    codes = json.loads(forks.stdout.splitlines()[-1])
+    out, err = offline.communicate(timeout=300)
+    results = [(out, err, offline.returncode)] + [
+        (o.read_text(), e.read_text(), c) for (o, e), c in zip(files, codes)
+    ]
+    cases = [(["--model", "models/no-such-model"], 2, "HF_HUB_OFFLINE is set: download it first")] + cases
+    for (extra, code, says), (out, err, returncode) in zip(cases, results, strict=True):
         lines = err.splitlines()
-        assert proc.returncode == code, (extra, proc.returncode, err[-3000:])
+        assert returncode == code, (extra, returncode, err[-3000:])
         assert "Traceback" not in err + out, (extra, err)
         if code == 2:  # argparse: its usage lines, then the one line
             assert lines[-1].startswith("train_async_grpo.py: error: "), (extra, err)
