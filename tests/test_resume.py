@@ -137,16 +137,16 @@ def test_kill_with_slow_groups_in_flight_then_resume_trains_every_row_once(train
     in_flight = set(range(state["dataset_position"])) - set(before)
     assert set(SLOW) <= in_flight, (in_flight, before)  # the slow groups were in flight at the checkpoint
 
-    # 2. --resume with --max-staleness 0, the tool round trips at 2 s: the pending rows come first, then
+    # 2. --resume with --max-staleness 0, the tool round trips at 0.5 s: the pending rows come first, then
     #    the stream from the frontier, P rows per step in order, so the run ends at a known row.
     skip = (len(_lines(killed / "metrics.jsonl")), len(_lines(killed / "completions.jsonl")))
-    proc = _run(_trainer(server.url, data, killed, 0, "--resume"), tmp_path / "resumed.log", tool_turn_s=2)
+    proc = _run(_trainer(server.url, data, killed, 0, "--resume"), tmp_path / "resumed.log", tool_turn_s=0.5)
     _finish(proc, tmp_path / "resumed.log")
     after, after_len = _trained(killed, skip=skip)
 
     # 3. Uninterrupted (--max-staleness 0, which trains the stream's first STEPS · P rows in order).
     whole = tmp_path / "whole"
-    proc = _run(_trainer(server.url, data, whole, 0), tmp_path / "whole.log", tool_turn_s=2)
+    proc = _run(_trainer(server.url, data, whole, 0), tmp_path / "whole.log", tool_turn_s=0.5)
     _finish(proc, tmp_path / "whole.log")
     reference, reference_len = _trained(whole)
 
