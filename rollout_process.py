@@ -10,11 +10,14 @@ pinned to --rollout-cpus with everything it starts; the trainer sees the interfa
 - `stats`, `client.stats`, `client.down`, `exhausted` are the child's latest report (≤ 0.2 s old);
 - `alive` is the child process; `stop()` returns within its timeout whatever the child does.
 
-The child is built from a picklable `build(expected_version) -> AsyncRolloutWorker` (the trainer's
-`rollout_worker`, which loads the tokenizer and the env the same way the trainer does), right when this
-object is made; it waits for `start()` before it admits a group, so the build overlaps the trainer's
-start-up eval. It dies with the trainer, however the trainer dies (PR_SET_PDEATHSIG), and takes its
-sandbox runs and answer-checking workers with it (theirs are set the same way).
+The child starts when this object is made, before the trainer loads its model: a spawned interpreter
+imports the trainer's modules (~3 s on 2 cores), and that overlaps the model load and the servers'
+start-up instead of delaying the first batch. `build(...)` then hands it a picklable
+`build(expected_version) -> AsyncRolloutWorker` (the trainer's `rollout_worker`, which loads the
+tokenizer and the env the same way the trainer does); it waits for `start()` before it admits a group,
+so the build overlaps the trainer's start-up eval. It dies with the trainer, however the trainer dies
+(PR_SET_PDEATHSIG), and takes its sandbox runs and answer-checking workers with it (theirs are set the
+same way).
 """
 
 import copy
@@ -58,34 +61,38 @@ class ClientView:
 
 
 class RolloutProcess:
-    def __init__(
-        self,
-        build: Callable,
-        expected_version: Callable[[], int],
-        start_version: int,
-        stop_timeout_s: float = 10.0,
-    ):
+    def __init__(self, stop_timeout_s: float = 10.0):
         ctx = mp.get_context("spawn")  # fork would copy the trainer's threads, CUDA state and locks
-        self._client = ClientView(expected_version)
+        self._client = ClientView(lambda: 0)
         self._stats = WorkerStats()
         self._exhausted, self._groups_sent, self._groups_received = False, 0, 0
+        self._builds = ctx.Queue()  # the one build, sent once the servers are up
         self._groups = ctx.Queue()  # bounded by admission, as the thread worker's queue is
         self._reports = ctx.Queue()
-        self._version = ctx.Value("q", start_version, lock=False)
-        self._expected = ctx.Value("q", expected_version(), lock=False)
+        self._version = ctx.Value("q", 0, lock=False)
+        self._expected = ctx.Value("q", 0, lock=False)
         self._discarded = ctx.Value("q", 0)  # += from the trainer thread: locked
         self._go, self._stopping = ctx.Event(), ctx.Event()
         shared = (self._version, self._expected, self._discarded, self._go, self._stopping)
         self._proc = ctx.Process(
             target=_child_main,
-            args=(build, os.getpid(), self._groups, self._reports, shared, stop_timeout_s),
+            args=(self._builds, os.getpid(), self._groups, self._reports, shared, stop_timeout_s),
             name="rollout-worker",
             daemon=True,
         )
         self._proc.start()
+        self.built = False
         self.queue = self  # the trainer takes groups with `worker.queue.get(timeout=...)`
 
     # --- called from the trainer thread ---------------------------------------------------------------
+    def build(self, build: Callable, expected_version: Callable[[], int], start_version: int) -> None:
+        """The child builds its worker with `build`: the version it admits from, and the trainer's
+        getter of the weight version servers must report before the client routes to them."""
+        self._client.expected_version = expected_version
+        self._version.value, self._expected.value = start_version, expected_version()
+        self._builds.put(build)  # by the queue's feeder thread: the trainer never blocks on the pipe
+        self.built = True
+
     def start(self) -> None:
         self._go.set()
 
@@ -154,7 +161,7 @@ class RolloutProcess:
             self._client.stats, self._client.down = report.client_stats, report.down
 
 
-def _child_main(build, parent_pid: int, groups, reports, shared, stop_timeout_s: float) -> None:
+def _child_main(builds, parent_pid: int, groups, reports, shared, stop_timeout_s: float) -> None:
     version, expected, discarded, go, stopping = shared
     if not die_with_parent(parent_pid):
         return
@@ -165,6 +172,13 @@ def _child_main(build, parent_pid: int, groups, reports, shared, stop_timeout_s:
     # A full pipe must not keep the child from exiting when the trainer has stopped reading.
     groups.cancel_join_thread()
     reports.cancel_join_thread()
+    while True:  # the build comes once the trainer's servers are up; a start-up that fails stops us
+        try:
+            build = builds.get(timeout=0.5)
+            break
+        except queue.Empty:
+            if stopping.is_set():
+                return
     worker = build(expected_version=lambda: expected.value)
     while not go.wait(0.5):
         pass

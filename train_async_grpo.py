@@ -137,6 +137,7 @@ from trainer import (
     train_step,
 )
 from vllm_server import healthy, relaunch_exited, served_model_name, write_servers_file
+from weight_sync import WeightSyncer, WeightSyncError, post
 
 # fmt: off
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -391,7 +392,7 @@ class Run:
     bar: object = None  # the tqdm progress bar
     servers: list = field(default_factory=list)  # launched here; none with --vllm-url
     syncer: object = None  # weight_sync.WeightSyncer, once the servers are up
-    worker: object = None  # rollout_process.RolloutProcess, once the servers are up
+    worker: object = None  # rollout_process.RolloutProcess (rank 0), given its worker once the servers are up
     probe: object = None  # url, bare -> the fidelity gaps of that server (FidelityError beyond the bound)
     nonfinite_steps: int = 0  # steps whose update was not applied (a non-finite loss or gradient)
     nonfinite_in_row: int = 0
@@ -415,8 +416,6 @@ def heal(run: Run, push: bool = True) -> None:
     sync) gets a new transfer group and, unless a sync to all follows at once (`push=False`), the
     current weights; the client routes to it again once it reports our version. A failure is retried
     next call."""
-    from weight_sync import WeightSyncError
-
     relaunch_exited(run.servers, run.out_dir / "vllm-logs" / "servers.json", stuck=run.syncer.stuck)
     stale = run.syncer.rejoin()
     if not stale:
@@ -437,8 +436,6 @@ def start_rollouts(
     """Servers up (those of --vllm-url, or launched here on `server_gpus`), the weight-transfer group
     formed, our weights pushed, the fidelity probe passed, the rollout worker built (not started).
     Returns (server URLs, the model name they serve, the probe's gaps)."""
-    from weight_sync import WeightSyncer  # imports vLLM: seconds
-
     args, on_gpu = run.args, torch.cuda.is_available()
     # Servers (launched here, or assumed of those given by --vllm-url) run bf16 on GPU, fp32 on CPU (the
     # CPU tests compare logprobs with the trainer's exactly).
@@ -495,7 +492,7 @@ def start_rollouts(
         rollout_worker, args, ckpt, urls, model_name, rows, run.position.frontier,
         sorted(run.position.pending), run.version, ENVS[args.env],
     )  # fmt: skip
-    run.worker = RolloutProcess(build, lambda: run.syncer.version, run.version)
+    run.worker.build(build, lambda: run.syncer.version, run.version)
     return urls, model_name, fidelity
 
 
@@ -528,8 +525,6 @@ def sync_if_due(run: Run) -> dict[str, float]:
     """Every --sync-every steps: a new model version, pushed into the servers; the worker admits by it.
     A server that fails is left out (named on stderr, counted) and brought back by `heal` once it
     answers; the run stops only if no batch comes within --batch-timeout."""
-    from weight_sync import WeightSyncError
-
     sync = {"sync/seconds": 0.0, "sync/mb": 0.0, "sync/mb_per_s": 0.0, "sync/servers_failed": 0.0}
     if run.step % run.args.sync_every == 0:
         run.version += 1
@@ -554,8 +549,6 @@ def verify_after_sync(run: Run) -> dict[str, float]:
     run request and bounds). A server beyond them is out of step: it is re-synced and checked again,
     and if it stays out, taken out of the run (`take_out`). Returns the fidelity/ keys (worst over
     servers)."""
-    from weight_sync import WeightSyncError
-
     t0, gaps, resynced = time.monotonic(), [], 0
     for url in [u for u in run.syncer.urls if u in run.syncer.groups and u not in run.syncer.failed]:
         try:
@@ -582,8 +575,6 @@ def take_out(run: Run, url: str, why: str) -> None:
     """A server that stays out of step after a re-sync leaves the run: no more syncs (nor heal), a
     weight-version tag that is never the trainer's, so the rollout client does not route to it again
     once it has taken it out, and its requests aborted (which takes it out of the client's routing)."""
-    from weight_sync import _post
-
     run.syncer.urls.remove(url)
     run.syncer.groups.pop(url, None)
     run.syncer.failed.pop(url, None)
@@ -593,7 +584,7 @@ def take_out(run: Run, url: str, why: str) -> None:
         ("/pause?mode=abort", None),
     ):
         try:
-            _post(url, path, body, run.syncer.http_timeout_s)
+            post(url, path, body, run.syncer.http_timeout_s)
         except Exception:  # noqa: BLE001 - a dead server is out of routing already
             pass
     print(
@@ -668,6 +659,7 @@ def shutdown(run: Run, exc: BaseException | None) -> None:
         run.bar.close()
     if run.worker is not None:
         run.worker.stop(timeout_s=10.0)
+    if run.worker is not None and run.worker.built:
         print(rollout_counters(run.worker.stats, run.worker.client.stats), file=sys.stderr, flush=True)
     # A batch that never came or a failed weight sync strikes between steps, when the model and
     # optimizer are whole: save, like an interrupted run. An exception mid-step saves nothing.
@@ -717,6 +709,9 @@ def main(argv: list[str] | None = None) -> None:
                 f"--vllm-url: no vLLM server answers at {u}: start one first (`make serve`, vllm_server.py) "
                 "and wait until it is up, or leave out --vllm-url to launch one"
             )
+    # Rank 0's rollout process starts now: its interpreter's imports overlap the model load and the
+    # servers' start-up; it gets its worker once the servers are up (start_rollouts).
+    worker = RolloutProcess() if rank == 0 else None
     tokenizer, template = load_tokenizer(args, ckpt, make_episode(rows[0]))
     model, ref_model, ckpt_checksum = load_models(args, ckpt, device, world_size)
     optimizer, scheduler = make_optimizer(model, args)
@@ -731,10 +726,8 @@ def main(argv: list[str] | None = None) -> None:
     run = Run(
         args, out_dir, model, tokenizer, optimizer, scheduler, world_size, step, version, position, stop_flag,
         last_saved=step, metrics_file=open(out_dir / "metrics.jsonl", "a"),
-        completions_file=open(out_dir / "completions.jsonl", "a"),
+        completions_file=open(out_dir / "completions.jsonl", "a"), worker=worker,
     )  # fmt: skip
-    from weight_sync import WeightSyncError  # imports vLLM: seconds, so not for --help
-
     refused = False
     try:
         # START ROLLOUTS: servers, weight sync group, fidelity probe, the worker thread -------------

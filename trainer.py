@@ -19,6 +19,7 @@ from distributed import broadcast_message, gather_traced, rank_micro_batches, re
 from loss import grpo_loss
 from metrics import keep_traced
 from sampling import Sampling, rescore, token_logprobs
+from weight_sync import WeightSyncer
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -227,8 +228,6 @@ def sync_weights(syncer, model, version: int, world_size: int = 1, urls: list[st
 def follow_rank0(model, ref_model, optimizer, scheduler, tokenizer, args, out_dir, rank, world_size, device):
     """Ranks other than 0: do what rank 0's messages say (train on a batch, join the gathers of a weight
     sync or a checkpoint) until it says stop. They never see a server, a queue or a metric."""
-    from weight_sync import WeightSyncer
-
     syncer = WeightSyncer([], backend="nccl" if device.type == "cuda" else "gloo", rank=rank)  # gathers only
     while True:
         message = broadcast_message(None, world_size)

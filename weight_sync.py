@@ -132,19 +132,16 @@ def _to_bytes(t: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------
 # WORKER SIDE: the gloo engine, registered at import, and the extension class that gets us imported
 # ---------------------------------------------------------------------------------------------------
-try:
+# Defined where vLLM is loaded already: in a server, vLLM imports this module for the class named by
+# `--worker-extension-cls`. The trainer (and a trainer-only environment) skips it: importing vLLM there
+# would cost every trainer process ~1.5 s of start-up for classes only a server uses.
+if "vllm" in sys.modules:
     from vllm.distributed.weight_transfer.base import (
         WeightTransferEngine,
         WeightTransferInitInfo,
         WeightTransferUpdateInfo,
     )
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
-    HAVE_VLLM = True
-except ImportError:  # a trainer-only environment can still import the client below
-    HAVE_VLLM = False
-
-if HAVE_VLLM:
 
     @dataclass
     class GlooInitInfo(WeightTransferInitInfo):
@@ -360,7 +357,7 @@ class GlooWorkerExtension:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _post(url: str, path: str, body: dict | None, timeout_s: float) -> dict:
+def post(url: str, path: str, body: dict | None, timeout_s: float) -> dict:
     """POST JSON; raise with the server's own error text on a non-2xx answer."""
     data = json.dumps(body or {}).encode()
     req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
@@ -375,7 +372,7 @@ def _post(url: str, path: str, body: dict | None, timeout_s: float) -> dict:
 def _call_all(urls: list[str], path: str, bodies: list[dict | None], timeout_s: float) -> dict[str, str]:
     """The same call on every server at once. Returns {url: error} for the servers that failed."""
     pool = ThreadPoolExecutor(max_workers=max(1, len(urls)))
-    futures = [pool.submit(_post, u, path, b, timeout_s) for u, b in zip(urls, bodies)]
+    futures = [pool.submit(post, u, path, b, timeout_s) for u, b in zip(urls, bodies)]
     pool.shutdown(wait=False)  # never join a thread stuck on a dead server
     return _collect(urls, futures, timeout_s)
 
@@ -539,7 +536,7 @@ class WeightSyncer:
         # refuses (mid-update) is told to join anyway.
         _call_all(urls, "/shutdown_weight_transfer_engine", [None] * len(urls), self.http_timeout_s)
         pool = ThreadPoolExecutor(max_workers=len(urls))
-        futures = [pool.submit(_post, u, "/init_weight_transfer_engine", b, self.transfer_timeout_s)
+        futures = [pool.submit(post, u, "/init_weight_transfer_engine", b, self.transfer_timeout_s)
                    for u, b in zip(urls, bodies)]  # fmt: skip
         pool.shutdown(wait=False)
         joined = {}
@@ -678,7 +675,7 @@ class WeightSyncer:
         pool = ThreadPoolExecutor(max_workers=max(1, len(ok)))
         receiving = list(ok)
         body = {"update_info": update_info}
-        futures = [pool.submit(_post, u, "/update_weights", body, self.transfer_timeout_s) for u in receiving]
+        futures = [pool.submit(post, u, "/update_weights", body, self.transfer_timeout_s) for u in receiving]
         pool.shutdown(wait=False)
         t_send = time.perf_counter()
         num_bytes, send_errors = self._send(params, dtypes, receiving)
@@ -703,7 +700,7 @@ class WeightSyncer:
             for u in failed:
                 if u not in dead:
                     try:
-                        _post(u, "/pause?mode=abort", None, self.http_timeout_s)
+                        post(u, "/pause?mode=abort", None, self.http_timeout_s)
                     except Exception:  # noqa: BLE001 - the sync error below is the one that matters
                         pass
             raise WeightSyncError(

@@ -32,7 +32,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file from anywhere
 from bench.results import merge_results  # noqa: E402
 from vllm_server import free_port, start_vllm_server  # noqa: E402
-from weight_sync import WeightSyncer, _post, gloo_group  # noqa: E402
+from weight_sync import WeightSyncer, gloo_group, post  # noqa: E402
 
 
 def widened_model(model: str, widen: int, out: Path) -> str:
@@ -87,7 +87,7 @@ def bench_raw_gloo_broadcast(num_bytes: int, repeats: int = 3) -> float:
 
 def worker_rpc(url: str, method: str, *args: str) -> dict:
     """Call a `GlooWorkerExtension` method in the server's (one) worker through the dev-mode route."""
-    return _post(url, "/collective_rpc", {"method": method, "args": list(args)}, 300)["results"][0]
+    return post(url, "/collective_rpc", {"method": method, "args": list(args)}, 300)["results"][0]
 
 
 def medians(runs: list[dict]) -> dict:

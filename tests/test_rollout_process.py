@@ -42,7 +42,8 @@ def test_the_trainers_interface_over_the_process_boundary(vllm_server, served_mo
         rows, 0, [], 0, "envs.retool",
     )  # fmt: skip
     version = {"v": 0}
-    worker = RolloutProcess(build, lambda: version["v"], start_version=0)
+    worker = RolloutProcess()
+    worker.build(build, lambda: version["v"], start_version=0)
     try:
         assert worker.alive and worker._proc.pid != os.getpid()
         deadline = time.monotonic() + 60  # it pins itself first thing, once its interpreter is up
@@ -79,7 +80,8 @@ def test_the_trainers_interface_over_the_process_boundary(vllm_server, served_mo
 
 
 def test_a_rollout_process_that_cannot_build_its_worker_is_seen_dead():
-    worker = RolloutProcess(_cannot_build, lambda: 0, start_version=0)
+    worker = RolloutProcess()
+    worker.build(_cannot_build, lambda: 0, start_version=0)
     deadline = time.monotonic() + 60
     while worker.alive and time.monotonic() < deadline:
         time.sleep(0.1)
