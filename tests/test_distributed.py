@@ -69,7 +69,6 @@ def test_the_start_up_probe_uses_the_bf16_bound_when_either_side_is_bf16(
     gap (it held the fp32 trainer to the fp32 bound and refused every such run). On CPU both sides are
     fp32: the tight bound. start_rollouts on a mocked box, servers and sync recorded, not run."""
     import train_async_grpo as T
-    import weight_sync
 
     probed = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: on_gpu)
@@ -77,13 +76,12 @@ def test_the_start_up_probe_uses_the_bf16_bound_when_either_side_is_bf16(
         vllm_server, "start_vllm_servers", lambda *a, **k: [SimpleNamespace(url="http://s:1")]
     )
     monkeypatch.setattr(T, "write_servers_file", lambda *a: None)
-    monkeypatch.setattr(weight_sync, "WeightSyncer", lambda *a, **k: SimpleNamespace(init=lambda: None))
+    monkeypatch.setattr(T, "WeightSyncer", lambda *a, **k: SimpleNamespace(init=lambda: None))
     monkeypatch.setattr(T, "sync_weights", lambda *a, **k: {})
     monkeypatch.setattr(T, "probe", lambda *a: [])
     monkeypatch.setattr(T, "verify_server", lambda url, samples, model, bf16, *a: probed.append(bf16) or {})
     gaps = ("fidelity/max_abs_diff", "fidelity/mismatch_kl", "fidelity/bare_top_rms_diff")
     monkeypatch.setattr(T, "worst_gaps", lambda per_server: dict.fromkeys(gaps, 0.0))
-    monkeypatch.setattr(T, "RolloutProcess", lambda *a: None)
     monkeypatch.setattr(T.signal, "signal", lambda *a: None)
     args = T.parser.parse_args(["--model", "m", "--compute-dtype", compute_dtype])
     run = SimpleNamespace(
@@ -94,6 +92,7 @@ def test_the_start_up_probe_uses_the_bf16_bound_when_either_side_is_bf16(
         version=0,
         world_size=1,
         position=StreamPosition(),
+        worker=SimpleNamespace(build=lambda *a: None),
     )
     template = SimpleNamespace(prompt_ids=lambda messages: [1, 2])
     T.start_rollouts(run, ["0"], template, lambda row: SimpleNamespace(messages=[]), [{}], "cpu", None)

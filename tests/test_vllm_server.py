@@ -84,7 +84,7 @@ def test_server_dies_with_a_killed_parent(tiny_model, tmp_path):
     try:
         server_pgid = int(proc.stdout.readline())
         pids = group_pids(server_pgid)
-        assert len(pids) >= 3, "the API server, engine core and worker should be running before the kill"
+        assert len(pids) >= 2, "the API server and its engine core (which runs the model) should be running"
         assert {p: os.sched_getaffinity(p) for p in pids} == {p: {cpu} for p in pids}
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
