@@ -244,7 +244,9 @@ UNREACHABLE = """
 import sys
 from weight_sync import WeightSyncer, WeightSyncError
 try:
-    WeightSyncer([sys.argv[1]], master_address="127.0.0.1", http_timeout_s=10, transfer_timeout_s=15).init()
+    # 5 s each side: the server's own dial gives up (and answers) before the trainer's collect stops
+    # waiting, so the module's teardown finds no request in flight to wait for
+    WeightSyncer([sys.argv[1]], master_address="127.0.0.1", http_timeout_s=10, transfer_timeout_s=5).init()
 except WeightSyncError as e:
     print(e)
 """
