@@ -71,9 +71,18 @@ $(STAMPS)/chromium:
 		apt-get install -y -qq chromium >/dev/null); then mkdir -p $(STAMPS) && touch $@; \
 	else echo "chromium could not be installed: tests/test_viewer.py's browser tests will skip"; fi
 
+# Two passes at once: the slow tests, and beside them at the lowest CPU priority the quick ones that start
+# no sandbox (tests/conftest.py marks the others `sandbox`: the sandbox tests assert machine-wide that no
+# sandbox uid has a process left). The slow tests leave a core idle much of the time (a vLLM start-up is
+# one core importing, a trainer waits on its server); the quick ones take that core and little else.
 test: install tiny-model $(STAMPS)/chromium
 	.venv/bin/ruff check .
-	.venv/bin/pytest -q --timeout 900 --durations 15
+	@nice -n 19 .venv/bin/pytest -q --timeout 300 -m "not slow and not sandbox" -p no:cacheprovider \
+		> .quick-tests.log 2>&1 & quick=$$!; \
+	.venv/bin/pytest -q --timeout 900 -m "slow or sandbox" --durations 15; slow=$$?; \
+	wait $$quick; quick_rc=$$?; echo "--- the quick tests, run beside the slow ones:"; \
+	if [ $$quick_rc -eq 0 ]; then tail -n 2 .quick-tests.log; else cat .quick-tests.log; fi; \
+	test $$slow -eq 0 && test $$quick_rc -eq 0
 
 # The edit loop: every test that needs no vLLM server, no warm model and no training run (tests/conftest.py
 # marks the others `slow`): loss, records, chat format, sampling maths, batches, arguments. The random
@@ -122,4 +131,4 @@ lint: install
 	.venv/bin/ruff format --check .
 
 clean:
-	rm -rf .venv $(STAMPS) models runs .pytest_cache .ruff_cache .hypothesis
+	rm -rf .venv $(STAMPS) models runs .pytest_cache .ruff_cache .hypothesis .quick-tests.log

@@ -13,7 +13,8 @@ namespace) start their own, side by side when a module needs more than one (`sid
 The split: a test is `slow` when it uses a vLLM server, a warm model or a training run: it asks for a
 fixture named like a server (`*server*`) or listed in SLOW_FIXTURES, is marked `slow` itself, or is in
 SLOW_TESTS (measured: more than a few seconds without an engine). `make test-fast` runs the rest
-(`-m "not slow"`); `make test` runs everything."""
+(`-m "not slow"`); `make test` runs everything: the slow tests and SANDBOX_TESTS in one pass, the other
+quick tests in a second pass beside it at the lowest CPU priority."""
 
 import os
 from collections.abc import Iterator
@@ -53,16 +54,41 @@ SLOW_TESTS = {
 }
 
 
+# Quick tests that start sandbox processes (the rest of the sandbox's are slow): `make test` runs the quick
+# tests beside the slow ones, except these, because test_sandbox.py asserts machine-wide that no sandbox
+# uid has a process left. In that pass (`-m "... not sandbox"`) a sandbox start fails the test, saying so.
+SANDBOX_TESTS = {"test_envs.py::test_code_interpreter", "test_envs.py::test_episodes_are_isolated"}
+
+
+def _listed(path: str, tests: set[str]) -> bool:
+    return any(path == t or path.startswith(t + "::") or path.startswith(t + "[") for t in tests)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         fixtures = set(item.fixturenames)
         path = item.nodeid.split("/")[-1]
-        if (
-            any("server" in name for name in fixtures)
-            or fixtures & SLOW_FIXTURES
-            or any(path == t or path.startswith(t + "::") or path.startswith(t + "[") for t in SLOW_TESTS)
-        ):
+        server = any("server" in name for name in fixtures)
+        if server or fixtures & SLOW_FIXTURES or _listed(path, SLOW_TESTS):
             item.add_marker(pytest.mark.slow)
+        if _listed(path, SANDBOX_TESTS):
+            item.add_marker(pytest.mark.sandbox)
+
+
+@pytest.fixture(autouse=True)
+def _no_sandbox_beside_the_slow_tests(request, monkeypatch) -> None:
+    if "not sandbox" not in (request.config.option.markexpr or ""):
+        return
+    import envs.sandbox
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError(
+            f"{request.node.nodeid} starts sandbox processes: list it in conftest.SANDBOX_TESTS (make test "
+            "runs those apart from the slow tests, whose sandbox checks see every sandbox uid's processes)"
+        )
+
+    monkeypatch.setattr(envs.sandbox, "_make_base", refuse)
+    monkeypatch.setattr(envs.sandbox._ForkServer, "__init__", refuse)
 
 
 def model_dir(name: str) -> Path:
