@@ -659,8 +659,8 @@ def shutdown(run: Run, exc: BaseException | None) -> None:
         run.bar.close()
     if run.worker is not None:
         run.worker.stop(timeout_s=10.0)
-    if run.worker is not None and run.worker.built:
-        print(rollout_counters(run.worker.stats, run.worker.client.stats), file=sys.stderr, flush=True)
+        if run.worker.built:  # a start-up that failed before the servers were up has no counters to say
+            print(rollout_counters(run.worker.stats, run.worker.client.stats), file=sys.stderr, flush=True)
     # A batch that never came or a failed weight sync strikes between steps, when the model and
     # optimizer are whole: save, like an interrupted run. An exception mid-step saves nothing.
     between_steps = exc is None or isinstance(exc, (KeyboardInterrupt, BatchTimeout))
