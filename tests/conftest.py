@@ -17,6 +17,7 @@ SLOW_TESTS (measured: more than a few seconds without an engine). `make test-fas
 quick tests in a second pass beside it at the lowest CPU priority."""
 
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -147,6 +148,15 @@ def warm2_server(tmp_path_factory):
     opening every turn, two parallel calls per tool turn): the flag matrix trains into it, so a test that
     needs the model's own weights pushes them in first (`push_weights`)."""
     yield from _session_server("warm2_server", tmp_path_factory)
+
+
+def wait_for(cond, proc, log: Path, timeout_s: float, what: str) -> None:
+    """Until `cond()`: the trainer `proc` (writing `log`) must stay alive and get there in `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert proc.poll() is None, f"trainer exited before {what}:\n" + log.read_text()[-4000:]
+        assert time.monotonic() < deadline, f"no {what} after {timeout_s:.0f} s:\n" + log.read_text()[-4000:]
+        time.sleep(0.2)
 
 
 @contextmanager

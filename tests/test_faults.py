@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import wait_for
 from test_weight_sync import max_diff, weight_version  # what weight sync is tested with
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -45,14 +46,6 @@ def trainer_cmd(out: Path, max_steps: int, *extra: str) -> list[str]:
 def steps_logged(out: Path) -> list[int]:
     path = out / "metrics.jsonl"
     return [json.loads(x)["step"] for x in path.read_text().splitlines()] if path.exists() else []
-
-
-def wait_for(cond, proc, log: Path, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert proc.poll() is None, f"trainer exited before {what}:\n" + log.read_text()[-4000:]
-        assert time.monotonic() < deadline, f"no {what} after {timeout_s:.0f} s:\n" + log.read_text()[-4000:]
-        time.sleep(0.2)
 
 
 def descendants(pid: int) -> set[int]:

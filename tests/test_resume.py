@@ -9,11 +9,11 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import torch
+from conftest import wait_for
 
 from batches import StreamPosition, row_stream
 
@@ -122,11 +122,7 @@ def test_kill_with_slow_groups_in_flight_then_resume_trains_every_row_once(train
     killed = tmp_path / "killed"
     proc = _run(_trainer(server.url, data, killed, 2), tmp_path / "killed.log", tool_turn_s=60)
     ckpt = killed / "checkpoints" / "step_000002"
-    deadline = time.monotonic() + 600
-    while not ckpt.exists():
-        assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-4000:]
-        assert time.monotonic() < deadline, "no step-2 checkpoint after 600 s"
-        time.sleep(0.2)
+    wait_for(ckpt.exists, proc, tmp_path / "killed.log", 600, "step-2 checkpoint")
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     for later in (killed / "checkpoints").glob("step_*"):

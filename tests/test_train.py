@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import wait_for
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -222,11 +223,7 @@ def test_end_to_end_kill_and_resume(tmp_path):
     cmd = _cmd(out, 8, "--rollout-cpus", str(rollout_cpu))
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log1, stderr=subprocess.STDOUT)
     ckpt2 = out / "checkpoints" / "step_000002"
-    deadline = time.monotonic() + 600
-    while not ckpt2.exists():
-        assert proc.poll() is None, (tmp_path / "run1.log").read_text()[-4000:]
-        assert time.monotonic() < deadline, "no step-2 checkpoint after 600 s"
-        time.sleep(0.5)
+    wait_for(ckpt2.exists, proc, tmp_path / "run1.log", 600, "step-2 checkpoint")
     # --rollout-cpus: the launched server, every process of it, is on the generation side's CPU.
     server_pids = group_pids(json.loads((out / "vllm-logs" / "servers.json").read_text())[0]["pgid"])
     assert server_pids and {os.sched_getaffinity(p) == {rollout_cpu} for p in server_pids} == {True}
