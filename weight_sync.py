@@ -470,7 +470,7 @@ class WeightSyncer:
         self.bucket_bytes = bucket_bytes
         self.send_dtype = send_dtype  # e.g. torch.bfloat16 halves the bytes for a bf16 server
         self.rank = rank
-        self.version: int | None = None  # of the trainer's weights at the last sync
+        self.version: int | None = None  # of the trainer's weights at the last sync, got or not
         self.groups: dict[str, object] = {}  # url -> gloo ProcessGroup; nccl: every url -> one communicator
         self.failed: dict[str, str] = {}  # url -> why its last sync failed (out of step until re-synced)
         # Servers of an NCCL broadcast that timed out: they answer /health but wait in vLLM's packed
@@ -638,6 +638,10 @@ class WeightSyncer:
         if not targets:
             for _, p in params:  # the other FSDP ranks are in these gathers: never leave them waiting
                 _materialize(p)
+            # The trainer's weights are `version` even though no server got them: a server that comes
+            # back must be brought to this version before the rollout client routes to it again (with
+            # the last version's tag, it would wait for a sync that needs a batch it cannot make).
+            self.version = version
             raise WeightSyncError(
                 f"sync to version {version}: no server to sync (init() not called, or no server is joined: "
                 + (", ".join(f"{u} failed in {m}" for u, m in self.failed.items()) or "none failed")

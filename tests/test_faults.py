@@ -276,6 +276,19 @@ def test_sigint_inside_the_optimizer_update_leaves_a_consistent_checkpoint(train
     assert step == 2  # the interrupted step was finished, not dropped
 
 
+def wait_until_quiet(server, proc: subprocess.Popen, log: Path, quiet_s: float = 5.0) -> None:
+    """Until no completion request has reached `server` for `quiet_s` (bounded: 300 s)."""
+    start, seen, t_last = server.log_size(), -1, time.monotonic()
+    deadline = t_last + 300
+    while time.monotonic() - t_last < quiet_s:
+        assert time.monotonic() < deadline, "requests never stopped: " + log.read_text()[-3000:]
+        assert proc.poll() is None, log.read_text()[-3000:]
+        count = server.log_since(start).count("POST /v1/completions")
+        if count != seen:
+            seen, t_last = count, time.monotonic()
+        time.sleep(0.2)
+
+
 # ---------------------------------------------------------------------------------------------------
 # CASES 1 and 2: the server is killed mid-rollout, the next weight sync meets it dead, it is restarted
 # ---------------------------------------------------------------------------------------------------
@@ -290,9 +303,16 @@ def test_server_killed_mid_rollout_and_restarted_the_run_goes_on(trainer_server,
         )
     try:
         wait_for(lambda: len(steps_logged(out)) >= 2, proc, log, 300, "step 2")
-        # Right after a step's line the trainer has synced and is generating; with --max-staleness 1 the
-        # queue usually holds the next batch already, so the next sync meets the dead server (case 2).
-        os.killpg(server.proc.pid, signal.SIGKILL)
+        # The server dies while the trainer holds its next batch, so that the next sync meets it dead
+        # (case 2): the trainer is stopped while the rollout process (not stopped) finishes what
+        # --max-staleness 1 admits (the next two batches); the server is killed once no request has
+        # come for 5 s. Killed with the queue empty, no batch would come and no sync would meet it.
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            wait_until_quiet(server, proc, log)
+            os.killpg(server.proc.pid, signal.SIGKILL)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
         t_kill = time.monotonic()
         wait_for(lambda: "failed on 1 server" in log.read_text(), proc, log, 120, "the failed sync")
         server_log_start = server.log_size()
