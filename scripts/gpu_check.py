@@ -264,6 +264,7 @@ def _fsdp_two_ranks(rank: int, port: int, config, device_type: str, seqs, budget
         full = [q.full_tensor().detach().cpu() for q in model.parameters()]
         if rank == 0:
             torch.save(full, out)
+        dist.barrier()  # leave together (test_distributed's resume test says why)
     finally:
         dist.destroy_process_group()
 

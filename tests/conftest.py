@@ -25,6 +25,9 @@ from pathlib import Path
 # Before torch loads OpenMP (as train_async_grpo.py does): the suite's in-process training shares the
 # cores with the servers it starts, and spinning OpenMP threads starve both.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Every process a test starts (trainers, their ranks, servers) prints its Python stacks if it aborts or
+# faults: a rank that died of SIGABRT in CI left only "terminate called without an active exception".
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 import pytest
 import torch

@@ -348,6 +348,7 @@ def _fsdp_rank(rank: int, world_size: int, port: int, model_dir: Path, seqs: lis
     results["bf16"] = _one_sgd_step(model_dir, seqs, rank, world_size, "token", compute_dtype="bf16")
     if rank == 0:
         torch.save(results, out)
+    dist.barrier()  # leave together (test_distributed's resume test says why)
     dist.destroy_process_group()
 
 
