@@ -9,8 +9,8 @@
 
 One protocol for both transports: vLLM's own weight-transfer HTTP routes (`VLLM_SERVER_DEV_MODE=1`),
 `/init_weight_transfer_engine` once, then per sync `/pause?mode=keep` -> `/start_weight_update` ->
-`/update_weights` (while the trainer broadcasts) -> `/finish_weight_update` -> `/update_weight_version`
--> `/resume`: six round trips a sync, none per tensor or bucket.
+`/update_weights` (while the trainer broadcasts) -> `/finish_weight_update` (which sets the version tag)
+-> `/resume`: five round trips a sync, none per tensor or bucket.
 
 `/update_weights` blocks inside the server until its workers have received every tensor, so it runs
 on a thread while the trainer broadcasts. The trainer is rank 0. gloo: one group per server (its
@@ -686,10 +686,7 @@ class WeightSyncer:
         send_s = time.perf_counter() - t_send
         drop(send_errors, "update_weights (broadcast)")
         drop(_collect(receiving, futures, self.transfer_timeout_s), "update_weights")
-        phase("/finish_weight_update")
-        # Not merged into /finish_weight_update (which can set it too, saving ~3 ms): this route in the
-        # server's log is how a re-sync is seen (test_faults.py).
-        phase("/update_weight_version", {"new_version": str(version)})
+        phase("/finish_weight_update", {"weight_version": str(version)})  # tagged only once it finished
         phase("/resume")
         seconds = time.perf_counter() - t0
         self.version = version  # what the trainer's weights are now, whoever received them

@@ -341,7 +341,7 @@ def test_server_killed_mid_rollout_and_restarted_the_run_goes_on(trainer_server,
     # log, the first completion it served comes after the re-sync set its version.
     restarted = server.log_since(server_log_start)
     first_completion = restarted.index("POST /v1/completions")
-    assert restarted.index("POST /update_weight_version") < first_completion, restarted[-3000:]
+    assert restarted.index("POST /finish_weight_update") < first_completion, restarted[-3000:]
     # And what it holds now is the trainer's final model: same version tag, same logprobs.
     assert weight_version(server.url) == str(metrics[-1]["model_version"])
     final = AutoModelForCausalLM.from_pretrained(

@@ -338,6 +338,8 @@ class FakeServer:
                     fake.init_ports.append(body["init_info"]["master_port"])
                 if self.path == "/update_weight_version":
                     fake.version = body["new_version"]
+                if self.path == "/finish_weight_update" and body.get("weight_version") is not None:
+                    fake.version = body["weight_version"]
                 self.answer({})
 
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
