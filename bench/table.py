@@ -88,7 +88,7 @@ def rows(r: dict) -> list[tuple[str, str, str, str]]:
             w.get(
                 "limits",
                 "vLLM: its reload (a fresh tensor per layer, two copies, the CPU GEMM re-pack) and its pause "
-                "(a 20 ms sleep inside); the six HTTP round trips; 2 cores for sender, receiver and loader",
+                "(a 20 ms sleep inside); the five HTTP round trips; 2 cores for sender, receiver and loader",
             ),
             w.get("command", "python bench/bench_weight_sync.py"),
         ))  # fmt: skip
