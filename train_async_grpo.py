@@ -94,6 +94,7 @@ import random
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -393,7 +394,11 @@ class Run:
     servers: list = field(default_factory=list)  # launched here; none with --vllm-url
     syncer: object = None  # weight_sync.WeightSyncer, once the servers are up
     worker: object = None  # rollout_process.RolloutProcess (rank 0), given its worker once the servers are up
-    probe: object = None  # url, bare -> the fidelity gaps of that server (FidelityError beyond the bound)
+    # The fidelity probe of one server, in two parts: `sample` (url, bare -> its seeded completions; a
+    # request, so the servers' can run at once) and `verify` (url, samples -> the gaps; a re-scoring by
+    # every FSDP rank, so one server after another; FidelityError beyond the bound).
+    sample: object = None
+    verify: object = None
     nonfinite_steps: int = 0  # steps whose update was not applied (a non-finite loss or gradient)
     nonfinite_in_row: int = 0
     servers_out: list = field(default_factory=list)  # taken out of the run by the per-sync check
@@ -470,16 +475,16 @@ def start_rollouts(
     probe_prompts = [template.prompt_ids(make_episode(r).messages) for r in rows[:4]]
     bf16 = args.compute_dtype == "bf16" or serving_dtype == "bfloat16"  # either side bf16: the KL bound
 
-    def probe_and_verify(url: str, bare: bool) -> dict[str, float]:
+    def sample(url: str, bare: bool) -> dict:
         # After a sync (bare=False) one prompt's 32-token completion compares as many positions as two
         # of 16 did, at half the re-scoring cost: the forward's cost is mostly the prompt.
         prompts = probe_prompts if bare else probe_prompts[:PER_SYNC_PROMPTS]
         max_tokens = PROBE_TOKENS if bare else PER_SYNC_TOKENS
-        samples = probe(url, model_name, prompts, sampling_of(args), args.seed, bare, max_tokens)
-        return verify_server(url, samples, run.model, bf16, run.world_size, device)
+        return probe(url, model_name, prompts, sampling_of(args), args.seed, bare, max_tokens)
 
-    run.probe = probe_and_verify
-    fidelity = worst_gaps([run.probe(u, bare=True) for u in urls])
+    run.sample = sample
+    run.verify = lambda url, samples: verify_server(url, samples, run.model, bf16, run.world_size, device)
+    fidelity = worst_gaps([run.verify(u, run.sample(u, bare=True)) for u in urls])
     print(
         f"fidelity probe: {len(urls)} server(s) sample what the trainer scores (max |Δ logprob| "
         f"{fidelity['fidelity/max_abs_diff']:.2g}, mismatch KL {fidelity['fidelity/mismatch_kl']:.2g}, "
@@ -550,16 +555,21 @@ def verify_after_sync(run: Run) -> dict[str, float]:
     and if it stays out, taken out of the run (`take_out`). Returns the fidelity/ keys (worst over
     servers)."""
     t0, gaps, resynced = time.monotonic(), [], 0
-    for url in [u for u in run.syncer.urls if u in run.syncer.groups and u not in run.syncer.failed]:
+    urls = [u for u in run.syncer.urls if u in run.syncer.groups and u not in run.syncer.failed]
+    # Every server samples at once (N servers cost one request's latency, not N); the trainer re-scores
+    # them one after another (each re-scoring is a message every FSDP rank acts on).
+    with ThreadPoolExecutor(max_workers=max(1, len(urls))) as pool:
+        sampled = {u: pool.submit(run.sample, u, False) for u in urls}
+    for url in urls:
         try:
-            gaps.append(run.probe(url, bare=False))
+            gaps.append(run.verify(url, sampled[url].result()))
             continue
         except FidelityError as e:
             print(f"\nstep {run.step}: after the sync, {e}; re-syncing it", file=sys.stderr, flush=True)
         resynced += 1
         try:
             sync_weights(run.syncer, run.model, run.version, run.world_size, urls=[url])
-            gaps.append(run.probe(url, bare=False))
+            gaps.append(run.verify(url, run.sample(url, False)))
         except (FidelityError, WeightSyncError) as e:
             take_out(run, url, str(e))
     if not run.syncer.urls:

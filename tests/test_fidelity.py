@@ -6,6 +6,7 @@ in bf16 (`bf16=True`), as on a GPU it would be the server's."""
 
 import asyncio
 import json
+import time
 import urllib.request
 from pathlib import Path
 
@@ -102,12 +103,17 @@ def test_per_sync_check_resyncs_a_server_given_other_weights_and_takes_out_one_t
     run.syncer = WeightSyncer([good.url, raw.url], backend="gloo")
     run.syncer.init()
 
-    def probe_and_verify(url: str, bare: bool) -> dict:
-        return verify_server(
-            url, probe(url, str(served_model), prompts, Sampling(0.7), 0, bare), model, False, 1, cpu
-        )
+    sampled = []  # (url, start, end) of each sample call
 
-    run.probe = probe_and_verify
+    def sample(url: str, bare: bool):
+        t0 = time.monotonic()
+        try:
+            return probe(url, str(served_model), prompts, Sampling(0.7), 0, bare)
+        finally:
+            sampled.append((url, t0, time.monotonic()))
+
+    run.sample = sample
+    run.verify = lambda url, samples: verify_server(url, samples, model, False, 1, cpu)
     try:
         sync_weights(run.syncer, model, 1)
         # Behind the trainer's back: the server loads other weights (the random base model) from disk,
@@ -119,7 +125,7 @@ def test_per_sync_check_resyncs_a_server_given_other_weights_and_takes_out_one_t
         )
         assert _weight_version(good.url) == "1"
         with pytest.raises(FidelityError, match="another distribution"):
-            probe_and_verify(good.url, False)
+            run.verify(good.url, run.sample(good.url, False))
         # A client routing by our version keeps requests in flight on the server that stays out, as
         # the rollout worker does, while the check runs.
         # A request that reaches it after the pause waits there (vLLM queues it) until its timeout.
@@ -142,6 +148,7 @@ def test_per_sync_check_resyncs_a_server_given_other_weights_and_takes_out_one_t
 
             busy = asyncio.gather(*(keep_busy() for _ in range(4)))  # always some in flight
             try:
+                sampled.clear()
                 metrics = await asyncio.to_thread(verify_after_sync, run)
                 await asyncio.wait_for(busy, timeout=60)  # the abort takes it out of routing
                 await asyncio.sleep(3)  # the client probes a down server every second: not readmitted
@@ -156,6 +163,9 @@ def test_per_sync_check_resyncs_a_server_given_other_weights_and_takes_out_one_t
     err = capsys.readouterr().err
     print(metrics, err, sep="\n")
     assert metrics["fidelity/servers_resynced"] == 2.0 and metrics["fidelity/servers_out"] == 1.0
+    # The two servers sampled at once: the second request began before the first one's answer came.
+    (_, start_a, end_a), (_, start_b, end_b) = sorted(sampled[:2], key=lambda x: x[1])
+    assert {u for u, *_ in sampled[:2]} == {good.url, raw.url} and start_b < end_a, sampled
     assert metrics["fidelity/max_abs_diff"] < 1e-3  # the re-synced one, in step again
     assert run.servers_out == [raw.url] and run.syncer.urls == [good.url]
     assert f"{good.url} samples from another distribution" in err and "re-syncing it" in err
