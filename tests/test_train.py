@@ -350,6 +350,7 @@ def _fsdp_rank(rank: int, world_size: int, port: int, model_dir: Path, seqs: lis
         torch.save(results, out)
     dist.barrier()  # leave together (test_distributed's resume test says why)
     dist.destroy_process_group()
+    os._exit(0)  # as test_distributed's resume ranks do
 
 
 def _seqs_for_ranks() -> list[dict]:
