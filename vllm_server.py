@@ -8,8 +8,9 @@ host's addresses (a free port, our end of the route to a server on another host)
 
 Each server runs vLLM's `vllm.entrypoints.openai.api_server` in its own session (process group), so
 stopping it kills the API process and every engine process it started. `VLLM_SERVER_DEV_MODE=1` exposes
-the /pause, /resume and weight-transfer routes; `--logprobs-mode processed_logprobs` makes the returned
-logprobs the ones the sampler used (after temperature), which is what the GRPO loss needs as μ.
+the pause/resume (`/sleep`, `/wake_up`, `/pause`), KV-cache and weight-transfer routes;
+`--logprobs-mode processed_logprobs` makes the returned logprobs the ones the sampler used (after
+temperature), which is what the GRPO loss needs as μ.
 """
 
 import argparse

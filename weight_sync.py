@@ -7,10 +7,11 @@
         syncer.join([url]); syncer.sync(model.named_parameters(), version=step, urls=[url])
     syncer.close()
 
-One protocol for both transports: vLLM's own weight-transfer HTTP routes (`VLLM_SERVER_DEV_MODE=1`),
-`/init_weight_transfer_engine` once, then per sync `/pause?mode=keep` -> `/start_weight_update` ->
-`/update_weights` (while the trainer broadcasts) -> `/finish_weight_update` (which sets the version tag)
--> `/resume`: five round trips a sync, none per tensor or bucket.
+One protocol for both transports: vLLM's own HTTP routes (`VLLM_SERVER_DEV_MODE=1`),
+`/init_weight_transfer_engine` once, then per sync: pause (`/sleep?level=0&mode=keep`) -> drop the KV
+cache (`/reset_prefix_cache?reset_running_requests=true`) -> `/start_weight_update` -> `/update_weights`
+(while the trainer broadcasts) -> `/finish_weight_update` (which sets the version tag) -> resume
+(`/wake_up?tags=scheduling`): six round trips a sync, none per tensor or bucket.
 
 `/update_weights` blocks inside the server until its workers have received every tensor, so it runs
 on a thread while the trainer broadcasts. The trainer is rank 0. gloo: one group per server (its
@@ -369,10 +370,19 @@ def post(url: str, path: str, body: dict | None, timeout_s: float) -> dict:
     return json.loads(text) if text else {}
 
 
-def _call_all(urls: list[str], path: str, bodies: list[dict | None], timeout_s: float) -> dict[str, str]:
+def _reset_kv(url: str, path: str, body: dict | None, timeout_s: float) -> dict:
+    answer = post(url, path, body, timeout_s)
+    if not answer.get("success"):  # blocks still held (vLLM: a remote KV transfer in flight)
+        raise RuntimeError(f"vLLM did not reset its KV cache: {answer}")
+    return answer
+
+
+def _call_all(
+    urls: list[str], path: str, bodies: list[dict | None], timeout_s: float, call=post
+) -> dict[str, str]:
     """The same call on every server at once. Returns {url: error} for the servers that failed."""
     pool = ThreadPoolExecutor(max_workers=max(1, len(urls)))
-    futures = [pool.submit(post, u, path, b, timeout_s) for u, b in zip(urls, bodies)]
+    futures = [pool.submit(call, u, path, b, timeout_s) for u, b in zip(urls, bodies)]
     pool.shutdown(wait=False)  # never join a thread stuck on a dead server
     return _collect(urls, futures, timeout_s)
 
@@ -465,7 +475,7 @@ class WeightSyncer:
             self.master_address = master_address or default_sync_host(self.urls)
         except ValueError as e:
             raise WeightSyncError(f"no rendezvous address for the servers ({e}): pass --sync-host") from None
-        self.http_timeout_s = http_timeout_s  # pause/start/finish/version/resume, each call
+        self.http_timeout_s = http_timeout_s  # pause/reset/start/finish/resume, each call
         self.transfer_timeout_s = transfer_timeout_s  # group join, /update_weights, each piece
         self.bucket_bytes = bucket_bytes
         self.send_dtype = send_dtype  # e.g. torch.bfloat16 halves the bytes for a bf16 server
@@ -478,6 +488,7 @@ class WeightSyncer:
         # `stuck`; --vllm-url: whoever runs them). Not re-joined until they report a fresh start.
         self.stuck: set[str] = set()
         self.stores: dict = {}  # gloo group -> its TCPStore, which must outlive it
+        self.phase_seconds: dict[str, float] = {}  # the last sync's, by phase (bench_weight_sync.py)
 
     def init(self) -> None:
         """Form the transfer group(s) with every server. Raises naming any server that fails."""
@@ -662,11 +673,20 @@ class WeightSyncer:
                     ok.remove(u)
                     failed[u] = f"{phase}: {msg}"
 
-        def phase(path: str, body: dict | None = None) -> None:
-            drop(_call_all(ok, path, [body] * len(ok), self.http_timeout_s), path.strip("/").split("?")[0])
+        def phase(path: str, body: dict | None = None, name: str = "", call=post) -> None:
+            t = time.perf_counter()
+            name = name or path.strip("/").split("?")[0]
+            drop(_call_all(ok, path, [body] * len(ok), self.http_timeout_s, call), name)
+            self.phase_seconds[name] = time.perf_counter() - t
 
         t0 = time.perf_counter()
-        phase("/pause?mode=keep")
+        self.phase_seconds = {}
+        # vLLM's /pause (keep mode) ends with a 20 ms sleep (its comment: for the order of a caller's events,
+        # not correctness), 20 % of a sync here; its level-0 sleep is the same pause without it. /pause
+        # would also drop the KV cache, which the next call does: running requests are preempted, their
+        # KV recomputed on the new weights on resume, and no cached prefix keeps the old weights' KV.
+        phase("/sleep?level=0&mode=keep", name="pause")
+        phase("/reset_prefix_cache?reset_running_requests=true", name="reset KV cache", call=_reset_kv)
         phase("/start_weight_update")
         if self.backend == "nccl" and failed and ok:
             # A member of the one communicator dropped out before the broadcast: a collective without
@@ -686,8 +706,9 @@ class WeightSyncer:
         send_s = time.perf_counter() - t_send
         drop(send_errors, "update_weights (broadcast)")
         drop(_collect(receiving, futures, self.transfer_timeout_s), "update_weights")
+        self.phase_seconds["update_weights"] = time.perf_counter() - t_send
         phase("/finish_weight_update", {"weight_version": str(version)})  # tagged only once it finished
-        phase("/resume")
+        phase("/wake_up?tags=scheduling", name="resume")  # ends the level-0 sleep: vLLM's /resume
         seconds = time.perf_counter() - t0
         self.version = version  # what the trainer's weights are now, whoever received them
         for u in ok:

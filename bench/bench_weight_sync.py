@@ -4,12 +4,14 @@
 
 Syncs the trainer's weights into the server `--syncs` times (gloo on CPU, NCCL on GPU) and reports
 the median sync seconds beside two yardsticks:
-- raw: a gloo broadcast of the same bytes between two local processes (`bench_raw_gloo_broadcast`);
+- raw: a gloo broadcast of the same bytes between two bare local processes (`raw_gloo_broadcaster`);
 - bound: raw plus vLLM's own reload of the same tensors inside the server's worker, with no transport
   and no HTTP (`weight_sync.GlooWorkerExtension.time_vllm_reload`, through `/collective_rpc`): the
   layerwise reload's start, `load_weights`, and its finish (each layer's CPU GEMM re-packing, which a
   sync cannot skip: the packed copies are what the server computes with). Overlapping the two can
-  beat this bound; the protocol's pause and resume are outside it.
+  beat this bound; the protocol's round trips (pause, KV reset, start, finish, resume) are outside it.
+Each round times one reload, one sync and one raw broadcast, one after the other, so the machine's
+load moves the three alike; the medians are reported, and each phase of the sync as the trainer saw it.
 The worker's own seconds of the last syncs (`weight_sync_seconds`) say where a sync's time goes. The
 tiny model is ~2 MB, so its sync time is the HTTP round trips of the protocol; `--widen N` builds a
 copy with hidden and MLP sizes N times larger (random weights, the tiny tokenizer) so the transfer
@@ -17,6 +19,7 @@ itself shows. Prints one JSON object; with --out it is merged into that results 
 """
 
 import argparse
+import contextlib
 import json
 import shutil
 import statistics
@@ -24,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -50,14 +54,16 @@ def widened_model(model: str, widen: int, out: Path) -> str:
     return str(out)
 
 
-def bench_raw_gloo_broadcast(num_bytes: int, repeats: int = 3) -> float:
-    """Seconds for one gloo broadcast of `num_bytes` from this process to a second local process
-    (best of `repeats`, after a warm-up) — the floor a CPU weight sync can reach."""
+@contextlib.contextmanager
+def raw_gloo_broadcaster(num_bytes: int, repeats: int) -> Iterator[Callable[[], float]]:
+    """A second local process in a gloo group with this one; yields `time_one()`: seconds of one
+    broadcast of `num_bytes` to it (until it has them all) — the floor a CPU weight sync can reach.
+    Call it exactly `repeats` times. The warm-up broadcast (connections, page faults) is not timed."""
     port = free_port()
     # The receiver imports torch only (importing this module would import vLLM: seconds of start-up).
     receiver = (
         "import datetime, torch, torch.distributed as dist\n"
-        f"t = datetime.timedelta(seconds=120)\n"
+        f"t = datetime.timedelta(seconds=300)\n"
         f"store = dist.TCPStore('127.0.0.1', {port}, 2, is_master=False, timeout=t)\n"
         "group = dist.ProcessGroupGloo(store, 1, 2, t)\n"
         f"buf = torch.empty({num_bytes}, dtype=torch.uint8)\n"
@@ -68,16 +74,17 @@ def bench_raw_gloo_broadcast(num_bytes: int, repeats: int = 3) -> float:
     )
     child = subprocess.Popen([sys.executable, "-c", receiver])
     try:
-        _, group = gloo_group("127.0.0.1", port, 0, 2, 120)
+        _, group = gloo_group("127.0.0.1", port, 0, 2, 300)
         buf = torch.ones(num_bytes, dtype=torch.uint8)
-        group.broadcast(buf, 0).wait()  # warm-up: connections, page faults
-        best = float("inf")
-        for _ in range(repeats):
+        group.broadcast(buf, 0).wait()
+
+        def time_one() -> float:
             t0 = time.perf_counter()
             group.broadcast(buf, 0).wait()
             group.barrier().wait()  # the receiver has it all, not just our socket buffer
-            best = min(best, time.perf_counter() - t0)
-        return best
+            return time.perf_counter() - t0
+
+        yield time_one
     finally:
         try:
             child.wait(timeout=60)
@@ -106,29 +113,36 @@ def main() -> None:
     model_dir = widened_model(args.model, args.widen, tmp / "model") if args.widen > 1 else args.model
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     extra = [] if torch.cuda.is_available() else ["--enforce-eager"]
-    with start_vllm_server(model_dir, extra_args=extra, log_dir=tmp) as server:
+    num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    with (
+        start_vllm_server(model_dir, extra_args=extra, log_dir=tmp) as server,
+        raw_gloo_broadcaster(num_bytes, args.syncs) as raw_broadcast,
+    ):
         syncer = WeightSyncer([server.url], backend="nccl" if torch.cuda.is_available() else "gloo")
         syncer.init()
-        payload = {
+        payload = json.dumps({
             "names": [n for n, _ in model.named_parameters()],
             "dtype_names": [str(p.dtype).removeprefix("torch.") for p in model.parameters()],
             "shapes": [list(p.shape) for p in model.parameters()],
-        }
-        reloads = [worker_rpc(server.url, "time_vllm_reload", json.dumps(payload)) for _ in range(args.syncs)]
-        runs, worker = [], []
-        for version in range(1, args.syncs + 1):  # the first also replaces the reloads' random weights
+        })  # fmt: skip
+        # The three side by side, one of each per round: the machine's mood moves all three alike.
+        runs, worker, phases, reloads, raws = [], [], [], [], []
+        for version in range(1, args.syncs + 1):
+            reloads.append(worker_rpc(server.url, "time_vllm_reload", payload))
             with torch.no_grad():
                 for param in model.parameters():
                     param.add_(1e-3)
-            runs.append(syncer.sync(model.named_parameters(), version=version))
+            runs.append(syncer.sync(model.named_parameters(), version=version))  # replaces the random ones
+            phases.append(dict(syncer.phase_seconds))
             worker.append(worker_rpc(server.url, "weight_sync_seconds"))
+            raws.append(raw_broadcast())
         syncer.close()
     shutil.rmtree(tmp, ignore_errors=True)
 
     mb = runs[0]["sync/mb"]
     sync_s = statistics.median(r["sync/seconds"] for r in runs)
     send_s = statistics.median(r["sync/send_seconds"] for r in runs)
-    raw_s = bench_raw_gloo_broadcast(int(mb * 1e6))
+    raw_s = statistics.median(raws)
     reload_s = statistics.median(r["total"] for r in reloads)
     bound_s = raw_s + reload_s
     result = {
@@ -142,12 +156,14 @@ def main() -> None:
             "raw_gloo_seconds": round(raw_s, 4),
             "raw_gloo_mb_per_s": round(mb / raw_s, 1),
             "sync_over_raw": round(sync_s / raw_s, 2),
+            # Each phase of the protocol as the trainer sees it (round trips included).
+            "phase_seconds": medians(phases),
             "vllm_reload_seconds": medians(reloads),
             "bound_seconds": round(bound_s, 4),
             "sync_over_bound": round(sync_s / bound_s, 2),
             # The worker's side of the syncs: update = receive and load (wait: blocked on a broadcast).
             "worker_seconds": medians(worker),
-            "settings": f"median of {args.syncs} syncs (and reloads), gloo, one local server",
+            "settings": f"medians of {args.syncs} rounds of reload, sync, raw broadcast; gloo, one server",
             "command": "python bench/bench_weight_sync.py " + " ".join(sys.argv[1:]),
         }
     }

@@ -87,8 +87,10 @@ def rows(r: dict) -> list[tuple[str, str, str, str]]:
             f"{w['vllm_reload_seconds']['total']} s)",
             w.get(
                 "limits",
-                "vLLM: its reload (a fresh tensor per layer, two copies, the CPU GEMM re-pack) and its pause "
-                "(a 20 ms sleep inside); the five HTTP round trips; 2 cores for sender, receiver and loader",
+                "vLLM: its reload (a fresh tensor per layer, two copies, the CPU GEMM re-pack); 2 cores "
+                "shared by sender, receiver and loader; the six HTTP round trips ("
+                + ", ".join(f"{k} {v * 1000:.1f}" for k, v in w.get("phase_seconds", {}).items())
+                + " ms)",
             ),
             w.get("command", "python bench/bench_weight_sync.py"),
         ))  # fmt: skip
