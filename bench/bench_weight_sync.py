@@ -1,6 +1,6 @@
 """Weight-sync speed against one real vLLM server, next to the transport's limit.
 
-    python bench/bench_weight_sync.py [--model models/tiny] [--widen 8] [--syncs 9]
+    python bench/bench_weight_sync.py [--model models/tiny] [--widen 8] [--syncs 15]
 
 Syncs the trainer's weights into the server `--syncs` times (gloo on CPU, NCCL on GPU) and reports
 the median sync seconds beside two yardsticks:
@@ -105,7 +105,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="models/tiny", help="model directory the server and trainer load")
     p.add_argument("--widen", type=int, default=1, help="scale hidden/MLP sizes by this factor (1 = as is)")
-    p.add_argument("--syncs", type=int, default=9, help="syncs (and reloads) to time: medians are reported")
+    p.add_argument("--syncs", type=int, default=15, help="syncs (and reloads) to time: medians are reported")
     p.add_argument("--out", default=None, help="JSON results file to merge into")
     args = p.parse_args()
 
