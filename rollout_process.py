@@ -82,6 +82,11 @@ class RolloutProcess:
             daemon=True,
         )
         self._proc.start()
+        # Only the child writes groups and reports. With our copies of the write ends closed, a child
+        # that dies halfway through a message (SIGKILL, out of memory) leaves the end of the pipe behind
+        # it, which our read raises (EOFError), instead of a read waiting forever for the rest.
+        for q in (self._groups, self._reports):
+            q._writer.close()
         self.built = False
         self.queue = self  # the trainer takes groups with `worker.queue.get(timeout=...)`
 
@@ -107,7 +112,11 @@ class RolloutProcess:
 
     def get(self, timeout: float):
         self._read_reports()  # also while the trainer only waits: a dead child must be seen as dead
-        group = self._groups.get(timeout=timeout)
+        try:
+            group = self._groups.get(timeout=timeout)
+        except (EOFError, OSError):  # the child died mid-message: `alive` says so
+            time.sleep(timeout)  # as an empty queue would have waited: callers poll on Empty
+            raise queue.Empty from None
         self._groups_received += 1
         return group
 
@@ -140,7 +149,7 @@ class RolloutProcess:
             self._read_reports()
             try:
                 self._groups.get(timeout=0.1)  # undelivered groups are dropped: the run is ending
-            except queue.Empty:
+            except (queue.Empty, EOFError, OSError):
                 pass
         if self._proc.is_alive():
             logger.error("rollout process still alive %.1f s after stop(); killing it", timeout_s + 5.0)
@@ -152,7 +161,7 @@ class RolloutProcess:
         while True:
             try:
                 report: Report = self._reports.get_nowait()
-            except (queue.Empty, OSError, ValueError):
+            except (queue.Empty, EOFError, OSError, ValueError):
                 return
             self._stats, self._exhausted, self._groups_sent = (
                 report.stats,
@@ -170,9 +179,6 @@ def _child_main(builds, parent_pid: int, groups, reports, shared, stop_timeout_s
     # Ctrl-C and SIGTERM reach the whole process group; the trainer stops us between steps (stop()).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # A full pipe must not keep the child from exiting when the trainer has stopped reading.
-    groups.cancel_join_thread()
-    reports.cancel_join_thread()
     while True:  # the build comes once the trainer's servers are up; a start-up that fails stops us
         try:
             build = builds.get(timeout=0.5)
@@ -206,9 +212,13 @@ def _child_main(builds, parent_pid: int, groups, reports, shared, stop_timeout_s
                 last = report
     worker.stop(timeout_s=stop_timeout_s)
     reports.put(_report(worker, worker.exhausted, sent))
+    # Every group and the last report reach the trainer whole (it reads both while it waits for us;
+    # if it stops reading, it kills us, and if it dies, so do we): a message cut by our exit would be
+    # lost, and the trainer would meet the end of the pipe in the middle of it.
     groups.close()
     reports.close()
-    reports.join_thread()  # the last report reaches the trainer (it reads while it waits for us)
+    groups.join_thread()
+    reports.join_thread()
     # Out as a forked multiprocessing child goes out: without the interpreter's exit, whose full
     # collection over every object torch and transformers made takes ~1 s on 2 cores (stop() waits).
     logging.shutdown()

@@ -89,3 +89,69 @@ def test_a_rollout_process_that_cannot_build_its_worker_is_seen_dead():
     with pytest.raises(queue.Empty):
         worker.queue.get(timeout=0.1)
     worker.stop(timeout_s=1.0)
+
+
+class _OneHugeGroup:
+    """A worker whose one group is larger than a pipe holds: the child's queue is still writing it when
+    the child dies."""
+
+    def __init__(self):
+        import types
+
+        from rollout import ClientStats, WorkerStats
+
+        self.queue: queue.Queue = queue.Queue()
+        self.queue.put(b"x" * (64 << 20))
+        self.stats, self.alive, self.exhausted = WorkerStats(), True, False
+        self.client = types.SimpleNamespace(stats=ClientStats(), down=set())
+
+    def start(self) -> None:
+        pass
+
+    def set_version(self, version: int) -> None:
+        pass
+
+    def discard(self, n: int) -> None:
+        pass
+
+    def stop(self, timeout_s: float) -> None:
+        self.alive = False
+
+
+def _build_one_huge_group(*, expected_version):
+    return _OneHugeGroup()
+
+
+@pytest.mark.timeout(120)
+def test_a_child_killed_mid_message_is_seen_dead_not_waited_for():
+    """The child dies (SIGKILL, out of memory) halfway through writing a group into the pipe: the
+    trainer's next read meets the end of the pipe and sees the child dead, instead of waiting forever
+    for the rest of the message (the trainer held the pipe's write end too, so the end never came)."""
+    import signal
+    import threading
+
+    worker = RolloutProcess()
+    worker.build(_build_one_huge_group, lambda: 0, start_version=0)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while worker._groups_sent < 1 and time.monotonic() < deadline:  # from its reports
+        worker._read_reports()
+        time.sleep(0.1)
+    assert worker._groups_sent == 1
+    time.sleep(0.5)  # its queue's feeder thread is blocked in the write: the pipe holds 64 KiB
+    os.kill(worker._proc.pid, signal.SIGKILL)
+    worker._proc.join(10)
+    outcome: list = []
+
+    def read() -> None:
+        try:
+            outcome.append(worker.queue.get(timeout=1.0))
+        except queue.Empty:
+            outcome.append("empty")
+        worker.stop(timeout_s=1.0)
+        outcome.append("stopped")
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(30)
+    assert outcome == ["empty", "stopped"] and not worker.alive, outcome
