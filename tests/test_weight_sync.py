@@ -210,7 +210,7 @@ def test_a_request_running_through_a_sync_goes_on_from_the_new_weights_alone(ser
     with urllib.request.urlopen(server_a.url + "/v1/models", timeout=30) as r:
         served = json.loads(r.read())["data"][0]["id"]
     prompt = TOKENS
-    body = {"model": served, "prompt": prompt, "max_tokens": 600, "temperature": 1.0, "logprobs": 0,
+    body = {"model": served, "prompt": prompt, "max_tokens": 1500, "temperature": 1.0, "logprobs": 0,
             "ignore_eos": True, "stream": True, "return_token_ids": True, "seed": 1}  # fmt: skip
     req = urllib.request.Request(
         server_a.url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
@@ -237,7 +237,8 @@ def test_a_request_running_through_a_sync_goes_on_from_the_new_weights_alone(ser
     syncer.sync(new.named_parameters(), version=6)
     reader.join(120)
     syncer.close()
-    assert len(completion) == 600 and synced_at < 600, (synced_at, len(completion))
+    # ~3 s of generation here against a sync of ~0.05 s: room for a slow sync on a loaded machine.
+    assert len(completion) == 1500 and synced_at < 1500, (synced_at, len(completion))
     served_lp = torch.tensor(logprobs)
     on_old = (served_lp - sequence_logprobs(old, prompt, completion)).abs() < TOL
     on_new = (served_lp - sequence_logprobs(new, prompt, completion)).abs() < TOL
