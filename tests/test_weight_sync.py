@@ -402,8 +402,6 @@ class FakeServer:
                     return self.answer({"error": "injected"}, 500)
                 if self.path == "/init_weight_transfer_engine":
                     fake.init_ports.append(body["init_info"]["master_port"])
-                if self.path == "/update_weight_version":
-                    fake.version = body["new_version"]
                 if self.path == "/finish_weight_update" and body.get("weight_version") is not None:
                     fake.version = body["weight_version"]
                 if self.path.startswith("/reset_prefix_cache"):
