@@ -1,9 +1,14 @@
-"""Tool-free math: the question, one answer in \\boxed{}, reward 1 if it matches (`--env math`).
+"""Tool-free math: the question, one final answer, reward 1 if it matches (`--env math`).
 
 Same data and reward as `envs/retool.py` without the interpreter, so "with tool" vs "without tool"
 (ReTool's central comparison) is one flag apart. The reward helpers here are shared with retool.
+
+The final answer is read in the forms the common math RL datasets ask for, the last one given in the
+message winning: `\\boxed{x}` (our prompt, MATH), a line `Answer: x` (DAPO-Math-17k's prompt asks for
+it as the last line), `#### x` (GSM8K).
 """
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +39,38 @@ def last_boxed(text: Any) -> str | None:
     return None
 
 
+# A line that starts (after markdown: "**Answer:**", "> ", "## ") with "Answer:" or "Final answer:".
+_ANSWER_LINE = re.compile(r"^[ \t>*_#]*(?:final[ \t]+)?answer[ \t*_]*:[ \t*_]*(.*?)[ \t]*$", re.I | re.M)
+_GSM8K_LINE = re.compile(r"####[ \t]*(.*?)[ \t]*$", re.M)
+
+
+def _clean(answer: str, gsm8k: bool) -> str:
+    """`$x$` -> `x`, a trailing full stop dropped; GSM8K's `1,072` -> `1072` (as envs/data.py reads its
+    ground truth)."""
+    answer = answer.strip().rstrip(".").strip().strip("*_").strip()
+    if len(answer) >= 2 and answer[0] == answer[-1] == "$":
+        answer = answer[1:-1].strip()
+    return re.sub(r"(?<=\d),(?=\d{3}\b)", "", answer) if gsm8k else answer
+
+
+def last_answer(text: Any) -> str | None:
+    """The final answer in `text`: of its last `\\boxed{}`, its last `Answer:` line and its last
+    `#### x`, the one that starts last (`Answer: \\boxed{5}` gives 5); None if there is none."""
+    if not isinstance(text, str):
+        return None
+    found = []  # (start, answer)
+    box, boxed = max(text.rfind("\\boxed{"), text.rfind("\\fbox{")), last_boxed(text)
+    if boxed is not None:
+        found.append((box, boxed))
+    for pattern, gsm8k in ((_ANSWER_LINE, False), (_GSM8K_LINE, True)):
+        match = None
+        for match in pattern.finditer(text):
+            pass
+        if match is not None and match.group(1):
+            found.append((match.start(), _clean(match.group(1), gsm8k)))
+    return max(found)[1] if found else None
+
+
 def answer_verdict(predicted: str | None, answer: str) -> bool | None:
     """math-verify equivalence (fractions, LaTeX, 1/2 vs 0.5); False on anything it cannot parse,
     None when checking overran `envs.verify.DEADLINE_S` (score it wrong, count it)."""
@@ -50,10 +87,10 @@ def answers_match(predicted: str | None, answer: str) -> bool:
 
 
 def final_answer(messages: list[dict]) -> str | None:
-    """The last \\boxed{} of the last assistant message (None if there is none)."""
+    """The final answer of the last assistant message (`last_answer`; None if there is none)."""
     for m in reversed(messages):
         if isinstance(m, dict) and m.get("role") == "assistant":
-            return last_boxed(m.get("content"))
+            return last_answer(m.get("content"))
     return None
 
 
@@ -66,7 +103,7 @@ class Episode:
     reward_timeouts: int = 0  # answers whose check overran the deadline (scored wrong); for metrics
 
     def reward(self, messages: list[dict], tool_calls: list) -> float:
-        """1.0 when the final \\boxed{} answer matches, else `wrong_reward`; never raises."""
+        """1.0 when the final answer matches, else `wrong_reward`; never raises."""
         verdict = answer_verdict(final_answer(messages), self.answer)
         self.reward_timeouts += verdict is None
         return 1.0 if verdict else self.wrong_reward

@@ -17,7 +17,7 @@ from transformers.utils import get_json_schema
 from envs import load_env, verify
 from envs.confine import ROLLOUT_CPUS_ENV
 from envs.data import load_rows
-from envs.math_env import answers_match, last_boxed
+from envs.math_env import answers_match, last_answer, last_boxed
 from envs.retool import strip_fence
 
 REPO = Path(__file__).resolve().parent.parent
@@ -78,6 +78,34 @@ def test_last_boxed():
     assert last_boxed("\\boxed{\\frac{a}{b^{2}}}") == "\\frac{a}{b^{2}}"
     assert last_boxed("\\boxed{unbalanced") is None
     assert last_boxed(None) is None and last_boxed("no box") is None
+
+
+@pytest.mark.parametrize(
+    "text, answer",
+    [
+        ("so \\boxed{5}", "5"),  # ours and MATH's
+        ("Working.\nAnswer: 42", "42"),  # DAPO-Math-17k's last line
+        ("Working.\n**Answer:** $\\frac{1}{2}$.", "\\frac{1}{2}"),
+        ("Final answer: 9", "9"),
+        ("3 + 4 = 7\n#### 1,072", "1072"),  # GSM8K, its thousands separator read as envs/data.py reads gold
+        ("\\boxed{3}\nAnswer: 4", "4"),  # the last one given wins, whichever form
+        ("Answer: 4\nno, \\boxed{3}", "3"),
+        ("#### 8\nAnswer: 9", "9"),
+        ("Answer: 9\n#### 8", "8"),
+        ("Answer: \\boxed{7}", "7"),
+        ("\\boxed{unbalanced\nAnswer: 6", "6"),
+        ("the answer: 5", None),  # not a line of its own
+        ("Answer:", None),
+    ],
+)
+def test_last_answer_reads_the_forms_math_datasets_ask_for(text, answer):
+    assert last_answer(text) == answer
+
+
+def test_a_dapo_answer_line_is_rewarded():
+    ep = load_env("retool").make_episode({"question": "q", "answer": "34"})
+    assert ep.reward(final("x = 34, so\nAnswer: 34"), []) == 1.0
+    assert ep.reward(final("\\boxed{34}\nAnswer: 35"), []) == 0.0
 
 
 @pytest.mark.parametrize("env", ["retool", "math"])
