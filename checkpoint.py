@@ -11,8 +11,15 @@ first, then the stream from the frontier (batches.StreamPosition says what count
 every row is trained once: the slow, multi-turn groups in flight at a kill too. The rollout worker starts
 at the resumed version. metrics.jsonl is appended to, so steps a killed run logged after its last
 checkpoint appear twice; scripts/plot_metrics.py keeps the last line per step.
+
+Those indices mean rows only of the same stream: the checkpoint also stores the stream's identity (the
+seed, the row count, a digest of the rows: row_stream.json, read before anything loads), and a resume
+over another seed or dataset stops with one line (`check_row_stream`) instead of silently training
+other rows.
 """
 
+import hashlib
+import json
 import os
 import random
 import shutil
@@ -56,10 +63,40 @@ def save_checkpoint(
         {"optimizer": optim, "scheduler": scheduler.state_dict(), "rng": rng, **state},
         tmp / "trainer_state.pt",
     )
+    if "row_stream" in state:  # read by check_row_stream before the model loads
+        (tmp / "row_stream.json").write_text(json.dumps(state["row_stream"]))
     if final.exists():  # re-saving the same step (e.g. after a resume that trained nothing)
         shutil.rmtree(final)
     os.replace(tmp, final)
     return final
+
+
+def row_stream_identity(rows: list[dict], seed: int, dataset: str) -> dict:
+    """What the stream indices of a checkpoint index: the seeded permutation of these rows."""
+    digest = hashlib.sha256()
+    for r in rows:
+        digest.update(json.dumps([r["question"], r["answer"]]).encode() + b"\n")
+    return {"seed": seed, "rows": len(rows), "rows_sha256": digest.hexdigest()[:16], "dataset": dataset}
+
+
+def check_row_stream(ckpt: Path, identity: dict) -> str | None:
+    """None when `ckpt`'s row stream is `identity`'s (or the checkpoint predates row_stream.json); else
+    the one line that says what differs and the way out."""
+    path = ckpt / "row_stream.json"
+    if not path.exists():
+        return None
+    saved = json.loads(path.read_text())
+    if all(saved.get(k) == identity[k] for k in ("seed", "rows", "rows_sha256")):
+        return None
+
+    def what(s: dict) -> str:
+        return f"--seed {s['seed']} over {s['dataset']} ({s['rows']} rows, digest {s['rows_sha256']})"
+
+    return (
+        f"--resume: {ckpt} was trained on {what(saved)}, this run asks for {what(identity)}: its dataset "
+        f"position and pending rows would name other rows. Resume with the checkpoint's --seed and "
+        f"--dataset, or start a fresh --output-dir"
+    )
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:

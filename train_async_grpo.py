@@ -110,7 +110,7 @@ from tqdm import tqdm
 
 from batches import BatchTimeout, StreamPosition, batch_sequences, collect_groups, row_stream
 from chat_format import ChatTemplate
-from checkpoint import latest_checkpoint, resume_from, save_checkpoint
+from checkpoint import check_row_stream, latest_checkpoint, resume_from, row_stream_identity, save_checkpoint
 from distributed import broadcast_message, place_ranks
 from envs import ENVS, episode_maker, episodes_of, verify
 from envs.confine import ROLLOUT_CPUS_ENV, parse_cpus
@@ -329,13 +329,16 @@ def load_datasets(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     return rows, eval_rows[: args.eval_limit]
 
 
-def checkpoint_to_resume(resume: str | None, out_dir: Path) -> Path | None:
-    """--resume: the checkpoint it names, or (no value) the latest in --output-dir; None without it."""
+def checkpoint_to_resume(resume: str | None, out_dir: Path, row_stream: dict) -> Path | None:
+    """--resume: the checkpoint it names, or (no value) the latest in --output-dir; None without it.
+    Exits with one line if its row stream is not `row_stream` (checkpoint.check_row_stream)."""
     if resume is None:
         return None
     ckpt = latest_checkpoint(out_dir) if resume == "latest" else Path(resume)
     if ckpt is None:
         parser.error(f"--resume: no checkpoint in {out_dir / 'checkpoints'}")
+    if (why := check_row_stream(ckpt, row_stream)) is not None:
+        parser.error(why)
     return ckpt
 
 
@@ -387,6 +390,7 @@ class Run:
     position: StreamPosition  # the row stream: rows admitted and not yet trained, where admission stopped
     stop_flag: dict  # {"stop": True} once SIGINT or SIGTERM came: the loop stops between steps
     last_saved: int = 0  # step of the newest checkpoint (or of the resume)
+    row_stream: dict = field(default_factory=dict)  # what `position` indexes: checkpoint.row_stream_identity
     metrics_file: object = None  # metrics.jsonl, appended to
     completions_file: object = None  # completions.jsonl (the rollout viewer's rows), appended to
     tracker: object = field(default_factory=NoTracker)
@@ -410,6 +414,7 @@ def save(run: Run) -> Path:
         run.position.consume(run.worker.stats.failed_rows)
     state = {"step": run.step, "model_version": run.version, "dataset_position": run.position.frontier}
     state |= {"pending_rows": sorted(run.position.pending), "args": vars(run.args)}
+    state["row_stream"] = run.row_stream
     broadcast_message({"save": state}, run.world_size)
     return save_checkpoint(run.out_dir, run.model, run.tokenizer, run.optimizer, run.scheduler, state)
 
@@ -699,7 +704,8 @@ def main(argv: list[str] | None = None) -> None:
     # SET-UP ------------------------------------------------------------------------------------------
     out_dir = Path(args.output_dir)  # made by check_args
     rows, eval_rows = load_datasets(args)
-    ckpt = checkpoint_to_resume(args.resume, out_dir)
+    row_stream = row_stream_identity(rows, args.seed, args.dataset)
+    ckpt = checkpoint_to_resume(args.resume, out_dir, row_stream)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     pin_rollout_cpus(args)
@@ -735,7 +741,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     run = Run(
         args, out_dir, model, tokenizer, optimizer, scheduler, world_size, step, version, position, stop_flag,
-        last_saved=step, metrics_file=open(out_dir / "metrics.jsonl", "a"),
+        last_saved=step, row_stream=row_stream, metrics_file=open(out_dir / "metrics.jsonl", "a"),
         completions_file=open(out_dir / "completions.jsonl", "a"), worker=worker,
     )  # fmt: skip
     refused = False

@@ -155,3 +155,36 @@ def test_a_child_killed_mid_message_is_seen_dead_not_waited_for():
     reader.start()
     reader.join(30)
     assert outcome == ["empty", "stopped"] and not worker.alive, outcome
+
+
+class _HugeGroupThenHugeReport(_OneHugeGroup):
+    """A worker whose last words are large: its one group fills the pipe, and stopping it records 200k
+    failed rows (the final report, ~1 MB pickled, is larger than a pipe holds too)."""
+
+    def stop(self, timeout_s: float) -> None:
+        self.stats.failed_rows = list(range(200_000))
+        self.alive = False
+
+
+def _build_huge_group_then_huge_report(*, expected_version):
+    return _HugeGroupThenHugeReport()
+
+
+@pytest.mark.timeout(120)
+def test_a_stopped_child_delivers_its_last_group_and_report_whole():
+    """stop() with a group still in the child's queue feeder (blocked on the full pipe) and a final
+    report larger than the pipe: the child flushes both before it exits, so the trainer sees the final
+    counters (the failed rows a resume must count as used). An exit that does not wait for its queues'
+    feeder threads cuts both, and the trainer keeps the report before it."""
+    worker = RolloutProcess()
+    worker.build(_build_huge_group_then_huge_report, lambda: 0, start_version=0)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while worker._groups_sent < 1 and time.monotonic() < deadline:  # from its reports
+        worker._read_reports()
+        time.sleep(0.1)
+    assert worker._groups_sent == 1
+    time.sleep(0.5)  # its queue's feeder thread is blocked in the write: the pipe holds 64 KiB
+    worker.stop(timeout_s=5.0)
+    assert not worker.alive and worker._proc.exitcode == 0
+    assert worker.stats.failed_rows == list(range(200_000))

@@ -262,7 +262,7 @@ def test_end_to_end_kill_and_resume(tmp_path):
     assert (out / "completions.jsonl").read_text().strip()
 
     # The checkpoint: complete (no temp dir left as the latest), loadable, and trained.
-    assert {"model.safetensors", "config.json", "tokenizer.json", "trainer_state.pt"} <= {
+    assert {"model.safetensors", "config.json", "tokenizer.json", "trainer_state.pt", "row_stream.json"} <= {
         p.name for p in ckpt2.iterdir()
     }
     AutoModelForCausalLM.from_pretrained(ckpt2)
@@ -291,6 +291,15 @@ def test_end_to_end_kill_and_resume(tmp_path):
         x["row_index"] >= state["dataset_position"] or x["row_index"] in untrained for x in step3
     )
     assert (out / "checkpoints" / "step_000003" / "model.safetensors").exists()
+
+    # Another seed, or another dataset, would map the checkpoint's stream indices to other rows: one line,
+    # exit 2, before anything starts.
+    fewer = tmp_path / "fewer.jsonl"
+    fewer.write_text("".join((REPO / "data" / "retool_train.jsonl").read_text().splitlines(True)[:50]))
+    for other in (["--seed", "1"], ["--dataset", str(fewer)]):
+        r = subprocess.run(_cmd(out, 4, "--resume", *other), cwd=REPO, capture_output=True, text=True)
+        assert r.returncode == 2 and "would name other rows" in r.stderr, r.stderr[-2000:]
+        assert not (out / "checkpoints" / "step_000004").exists()
 
 
 DAPO_INSTRUCTION = (
