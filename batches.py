@@ -7,13 +7,16 @@ Packing: every micro-batch is ONE row of concatenated sequences (no padding) who
 at 0 for each sequence. Left to itself, transformers (≥ 4.54) detects the restarts and builds a dense
 T × T block-diagonal causal mask for sdpa: attention then costs (Σ len)² per row, and long packed rows
 trained slower than one sequence per forward (bench/bench_packing.py, figure 2a "before"). The
-trainer's models load with the attention `packed_attention` picks once at start-up instead:
-flash-attention 2 for bf16 on GPU when `flash_attn` imports (transformers turns the restarts into varlen
-boundaries), else `per_sequence_sdpa`, causal sdpa on each sequence's slice of the row: Σ len², no
-mask. Either way sequences do not see each other: tests/test_packing.py checks logprobs and gradients
-against one-sequence-at-a-time forwards.
+trainer's models load with the attention `packed_attention` picks once at start-up instead: for bf16 on
+GPU torch's varlen flash attention (`packed_varlen`, one kernel over the row), else flash-attention 2
+when `flash_attn` imports; elsewhere `per_sequence_sdpa`, causal sdpa on each sequence's slice of the
+row. All cost Σ len², build no mask, and take the boundaries from the lengths collate knows on the host.
+Sequences do not see each other: tests/test_packing.py checks logprobs and gradients against
+one-sequence-at-a-time forwards (the varlen one on a GPU).
 """
 
+import importlib.util
+import itertools
 import random
 import time
 from dataclasses import dataclass, field
@@ -216,34 +219,69 @@ def pack(seqs: list[dict], budget: int) -> list[list[int]]:
     return bins
 
 
-def collate(seqs: list[dict], device) -> dict[str, torch.Tensor]:
+def collate(seqs: list[dict], device) -> dict:
     """One packed row. Per-token arrays are aligned with `input_ids`; position j's logprob is predicted
     at j − 1, and the first token of every sequence is a prompt token (mask 0), so the shift never
-    trains across a sequence boundary."""
-    cat = lambda key, dtype: torch.tensor([x for s in seqs for x in s[key]], dtype=dtype, device=device)  # noqa: E731
-    return {
-        "input_ids": cat("ids", torch.long)[None],  # (1, T)
-        "position_ids": torch.cat([torch.arange(len(s["ids"])) for s in seqs]).to(device)[None],  # (1, T)
-        "loss_mask": cat("mask", torch.float32),  # (T,)
-        "behaviour": cat("behaviour", torch.float32),  # (T,)
-        "advantages": torch.tensor(
-            [s["advantage"] for s in seqs for _ in s["ids"]], dtype=torch.float32, device=device
-        ),  # (T,)
-        "seq_index": torch.tensor([k for k, s in enumerate(seqs) for _ in s["ids"]], device=device),  # (T,)
+    trains across a sequence boundary. Built on the host and sent in one pass (pinned, non-blocking on
+    CUDA: the host does not wait for the GPU to drain); what the step needs on the host (the sequence
+    lengths) stays there, so nothing inside the step reads the device to find it.
+    "positions" (P,): the tokens whose logprob the step needs (the loss's, and every token but the
+    first of a sequence carrying a "trace" key: the rollout viewer shows the trainer's logprob of each);
+    "attention": the packed attention's forward kwargs (attention_kwargs)."""
+    ids = [x for s in seqs for x in s["ids"]]
+    lengths = [len(s["ids"]) for s in seqs]
+    positions, offset = [], 0
+    for s, n in zip(seqs, lengths):
+        traced = "trace" in s
+        positions += [offset + j for j in range(1, n) if traced or s["mask"][j]]
+        offset += n
+    host = {
+        "input_ids": torch.tensor(ids)[None],  # (1, T)
+        "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],  # (1, T)
+        "loss_mask": torch.tensor([x for s in seqs for x in s["mask"]], dtype=torch.float32),  # (T,)
+        "behaviour": torch.tensor([x for s in seqs for x in s["behaviour"]], dtype=torch.float32),  # (T,)
+        "advantages": torch.tensor([s["advantage"] for s in seqs for _ in s["ids"]], dtype=torch.float32),
+        "seq_index": torch.tensor([k for k, n in enumerate(lengths) for _ in range(n)]),  # (T,)
+        "positions": torch.tensor(positions, dtype=torch.long),  # (P,)
     }
+    out = {k: to_device(v, device) for k, v in host.items()}
+    out["attention"] = attention_kwargs(lengths, device)
+    return out
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device` without a host sync: a copy from pinned memory is queued on the current
+    stream and the host goes on (the caching host allocator keeps the pinned block until it is done)."""
+    device = torch.device(device)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 # ---------------------------------------------------------------------------------------------------
 # ATTENTION: each sequence of a packed row attends only to itself, at a cost of Σ len²
 # ---------------------------------------------------------------------------------------------------
 PER_SEQUENCE_SDPA = "per_sequence_sdpa"
+PACKED_VARLEN = "packed_varlen"
+TORCH_VARLEN = importlib.util.find_spec("torch.nn.attention.varlen") is not None  # torch ≥ 2.10
 _segments_cache: list = [None, -1, []]  # (position_ids tensor, its version, its sequence lengths)
 
 
+def attention_kwargs(lengths: list[int], device) -> dict:
+    """The forward kwargs that tell the packed attention where the row's sequences are, from lengths
+    known on the host: `seq_lengths` (per_sequence_sdpa splits by it), cumulative int32 boundaries and the
+    longest length (packed_varlen, and transformers' flash_attention_2, which otherwise works them out
+    from the position restarts with a device→host read per forward)."""
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    cu = to_device(cu, device)
+    longest = max(lengths, default=0)
+    return {"seq_lengths": lengths, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest,
+            "max_length_k": longest}  # fmt: skip
+
+
 def sequence_lengths(position_ids: torch.Tensor) -> list[int]:
-    """Lengths of the sequences of a packed row (1, T): a new one starts wherever the position does not
-    go up by one (transformers' rule, masking_utils.find_packed_sequence_indices). Every layer of one
-    forward gets the same tensor, so the (device-syncing) lengths are worked out once per forward."""
+    """Lengths of the sequences of a packed row (1, T) whose caller gave none (attention_kwargs): a new
+    one starts wherever the position does not go up by one (transformers' rule,
+    masking_utils.find_packed_sequence_indices). Every layer of one forward gets the same tensor, so the
+    (device-syncing) lengths are worked out once per forward."""
     tensor, version, lengths = _segments_cache
     if position_ids is not tensor or position_ids._version != version:
         pos = position_ids[0]
@@ -252,6 +290,15 @@ def sequence_lengths(position_ids: torch.Tensor) -> list[int]:
         lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
         _segments_cache[:] = [position_ids, position_ids._version, lengths]
     return lengths
+
+
+def _one_row(name: str, query: torch.Tensor, key: torch.Tensor, position_ids) -> None:
+    if query.shape[0] != 1 or key.shape[2] != query.shape[2] or position_ids is None:
+        raise ValueError(
+            f"{name} runs one packed row (batch 1, position_ids, no KV cache); got query "
+            f"{tuple(query.shape)}, key {tuple(key.shape)}, position_ids {position_ids is not None}: "
+            "load the model with attn_implementation='sdpa' for other uses"
+        )
 
 
 def per_sequence_sdpa(
@@ -263,20 +310,17 @@ def per_sequence_sdpa(
     scaling: float | None = None,
     dropout: float = 0.0,
     position_ids: torch.Tensor | None = None,
+    seq_lengths: list[int] | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """A transformers attention function (AttentionInterface) for the trainer's packed rows: causal sdpa
     on each sequence's slice of the row, so the cost is Σ len² and no T × T mask exists. query (1, H, T,
-    D), key/value (1, H_kv, T, D) → (1, T, H, D). Needs position_ids (the row's restarts) and takes no
-    KV cache and no padding mask: the trainer's forwards have neither (transformers builds no mask for
-    an attention it has no mask function for, so a padding mask would be dropped, not applied)."""
-    if query.shape[0] != 1 or key.shape[2] != query.shape[2] or position_ids is None:
-        raise ValueError(
-            f"{PER_SEQUENCE_SDPA} runs one packed row (batch 1, position_ids, no KV cache); got query "
-            f"{tuple(query.shape)}, key {tuple(key.shape)}, position_ids {position_ids is not None}: "
-            "load the model with attn_implementation='sdpa' for other uses"
-        )
-    lengths = sequence_lengths(position_ids)
+    D), key/value (1, H_kv, T, D) → (1, T, H, D). Needs position_ids (the row's restarts, read when no
+    `seq_lengths` came with the forward) and takes no KV cache and no padding mask: the trainer's
+    forwards have neither (transformers builds no mask for an attention it has no mask function for, so
+    a padding mask would be dropped, not applied)."""
+    _one_row(PER_SEQUENCE_SDPA, query, key, position_ids)
+    lengths = seq_lengths or sequence_lengths(position_ids)
     gqa = key.shape[1] != query.shape[1]
     parts = [
         F.scaled_dot_product_attention(
@@ -288,11 +332,49 @@ def per_sequence_sdpa(
     return out.transpose(1, 2).contiguous(), None
 
 
+def packed_varlen(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    position_ids: torch.Tensor | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """torch's varlen flash attention (torch.nn.attention.varlen.varlen_attn, CUDA, bf16) over the whole
+    packed row in one kernel: causal within each sequence, cost Σ len². Same contract as
+    per_sequence_sdpa; the boundaries come from attention_kwargs (else from the position restarts).
+    Flash kernels have no fp32: rotary embeddings promote q and k to fp32 under autocast, so they are
+    cast back to bf16 here (what sdpa's autocast rule does), and the output is bf16."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    _one_row(PACKED_VARLEN, query, key, position_ids)
+    if dropout:
+        raise ValueError(f"{PACKED_VARLEN} has no dropout")
+    if cu_seq_lens_q is None:  # a forward without collate's kwargs (one sequence, a test)
+        found = attention_kwargs(sequence_lengths(position_ids), query.device)
+        cu_seq_lens_q, max_length_q = found["cu_seq_lens_q"], found["max_length_q"]
+    q, k, v = (t[0].transpose(0, 1).to(torch.bfloat16) for t in (query, key, value))  # (T, H, D)
+    out = varlen_attn(
+        q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling,
+        window_size=(-1, 0), enable_gqa=k.shape[1] != q.shape[1],
+    )  # fmt: skip
+    return out[None], None  # (1, T, H, D)
+
+
 def packed_attention(device: torch.device, compute_dtype: str) -> str:
-    """The attn_implementation of the trainer's models, chosen once at start-up: flash-attention 2 for
-    bf16 compute on GPU when it imports (varlen over the row's restarts; it has no fp32 kernels), else
-    per-sequence sdpa (registered here)."""
+    """The attn_implementation of the trainer's models, chosen once at start-up. For bf16 compute on
+    GPU: torch's own varlen flash attention where this torch has it (packed_varlen), else
+    flash-attention 2 when `flash_attn` imports (transformers turns the boundaries into varlen calls);
+    neither has fp32 kernels. Otherwise per-sequence sdpa. The custom ones are registered here."""
     if device.type == "cuda" and compute_dtype == "bf16":
+        if TORCH_VARLEN:
+            AttentionInterface.register(PACKED_VARLEN, packed_varlen)
+            return PACKED_VARLEN
         try:
             import flash_attn  # noqa: F401
 

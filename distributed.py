@@ -163,13 +163,11 @@ def rank_micro_batches(
     return mine + [filler] * (-(-len(bins) // world_size) - len(mine))
 
 
-def reduce_over_ranks(sums: dict[str, float], maxima: dict[str, float], world_size: int, device):
-    """Sums and maxima of per-rank metrics (same keys on every rank)."""
+def reduce_over_ranks(sums: torch.Tensor | None, maxima: torch.Tensor | None, world_size: int) -> None:
+    """Sums and maxima of per-rank metrics, in place on the device (no host read: the caller reads them
+    once, when it needs them)."""
     if world_size == 1:
-        return sums, maxima
-    for d, op in ((sums, dist.ReduceOp.SUM), (maxima, dist.ReduceOp.MAX)):
-        keys = sorted(d)
-        t = torch.tensor([d[k] for k in keys], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=op)
-        d.update(zip(keys, t.tolist()))
-    return sums, maxima
+        return
+    for t, op in ((sums, dist.ReduceOp.SUM), (maxima, dist.ReduceOp.MAX)):
+        if t is not None:
+            dist.all_reduce(t, op=op)

@@ -122,8 +122,9 @@ def grpo_loss(
         denom = total_tokens if total_tokens is not None else m.sum().clamp(min=1)
         loss = (per_token * m).sum() / denom
     else:
-        num_seq = int(seq_index.max()) + 1 if seq_index.numel() else 0
-        zeros = torch.zeros(num_seq, dtype=m.dtype, device=m.device)
+        # T slots, not max(seq_index) + 1: reading the max would be a device→host sync; the slots of no
+        # sequence hold 0 / 1 = 0.
+        zeros = torch.zeros(seq_index.numel(), dtype=m.dtype, device=m.device)
         seq_sum = zeros.index_add(0, seq_index, per_token * m)  # (S,)
         seq_len = zeros.index_add(0, seq_index, m)  # (S,)
         denom = num_sequences if num_sequences is not None else (seq_len > 0).sum().clamp(min=1)
@@ -135,7 +136,8 @@ def grpo_loss(
             "clip_low": ((advantages < 0) & (ratio < 1 - eps_low) & on).sum().to(m.dtype),
             "clip_high": ((advantages > 0) & (ratio > 1 + eps_high) & on).sum().to(m.dtype),
             "is_ratio": (is_ratio * m).sum(),
-            "is_ratio_max": is_ratio[on].max() if on.any() else m.new_zeros(()),
+            # is_ratio > 0, so the 0s of the masked positions never win (and no boolean index: a sync)
+            "is_ratio_max": torch.where(on, is_ratio, zero).max() if on.numel() else m.new_zeros(()),
             "is_capped": ((is_ratio > is_cap) & on).sum().to(m.dtype),
             "mismatch_kl": ((is_ratio - log_is - 1) * m).sum(),
         }

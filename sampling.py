@@ -80,13 +80,19 @@ def keep_threshold(
     return out
 
 
+def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for bf16 and fp32 inputs; float64 stays float64 (tests run a whole step in float64 to check
+    it against the hand-written one exactly, whatever the CPU's float32 summation order)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def processed_logits(
     logits: torch.Tensor, sampling: Sampling, keep: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """(N, V) fp32 logits of the distribution vLLM samples from: / temperature, then −inf outside the
-    top-k / top-p set. Differentiable in the kept logits. `keep` (N,): a token per row that stays in the
-    kept set whatever the truncation says (see token_logprobs_and_entropy)."""
-    scaled = logits.float() / sampling.temperature
+    """(N, V) logits of the distribution vLLM samples from, in fp32 at least: / temperature, then −inf
+    outside the top-k / top-p set. Differentiable in the kept logits. `keep` (N,): a token per row that
+    stays in the kept set whatever the truncation says (see token_logprobs_and_entropy)."""
+    scaled = logits.to(at_least_fp32(logits.dtype)) / sampling.temperature
     if not sampling.truncates:
         return scaled
     threshold = keep_threshold(scaled.detach(), sampling)
@@ -112,27 +118,152 @@ def token_logprobs_and_entropy(
     logprobs = scaled.gather(-1, targets[:, None]).squeeze(-1) - logz
     entropy = None
     if with_entropy:
-        with torch.no_grad():
-            probs = torch.softmax(scaled, dim=-1)
+        with torch.no_grad():  # two (N, V) temporaries: the head runs this on chunks of a 150k vocabulary
+            probs = (scaled - logz[:, None]).exp_()  # 0 off the kept set
             # 0 · (−inf) is nan: truncated tokens contribute nothing
-            weighted = torch.where(probs > 0, probs * scaled, torch.zeros_like(probs)).sum(-1)
-            entropy = logz - weighted
+            entropy = logz - probs.mul_(scaled.masked_fill(probs == 0, 0.0)).sum(-1)
     return logprobs, entropy
 
 
+# ---------------------------------------------------------------------------------------------------
+# THE HEAD: logprobs from the final hidden states, streamed over the positions that are needed
+# ---------------------------------------------------------------------------------------------------
+# Logits per chunk of the streamed head: 64 MiB per fp32 (rows, V) tensor, 110 rows at Qwen's 151,936
+# vocabulary. A chunk's working set is a handful of such tensors (the logits, their processed copy, the
+# softmax, the sort of a top-p threshold), so the head's extra memory is bounded by the chunk and the
+# weight-gradient accumulator, not by the row: the (T, V) fp32 logits of a 16k-token row are 10 GB
+# (bench/bench_trainer.py measures it).
+HEAD_CHUNK_LOGITS = 2**24
+
+
+def head_logits(hidden: torch.Tensor, weight: torch.Tensor, bf16: bool) -> torch.Tensor:
+    """(N, V) logits of hidden (N, H) through the LM head weight (V, H), in bf16 when `bf16` (what
+    autocast would do: both operands cast, fp32 accumulation inside the matmul), else in the weight's
+    dtype. The one place the head's matmul is written."""
+    dtype = torch.bfloat16 if bf16 else weight.dtype
+    return hidden.to(dtype) @ weight.to(dtype).T
+
+
+class _StreamedHead(torch.autograd.Function):
+    """token_logprobs_and_entropy over the logits hidden @ weight.T, a chunk of rows at a time, with a
+    backward that recomputes each chunk's logits: no (N, V) tensor is ever held. The gradient is that of
+    the processed distribution: d log π(t) / d logit_j = (1[j = t] − π_j) / temperature over the kept set
+    (π_j = 0 outside it, where the −inf fill gives no gradient), the same as autograd through
+    token_logprobs_and_entropy."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, sampling: Sampling, with_entropy: bool, bf16: bool, rows: int):
+        w = weight.to(torch.bfloat16) if bf16 else weight  # cast once, not per chunk
+        acc = at_least_fp32(hidden.dtype)
+        logprobs = hidden.new_empty(len(targets), dtype=acc)
+        entropy = hidden.new_empty(len(targets) if with_entropy else 0, dtype=acc)
+        for start in range(0, len(targets), rows):
+            end = start + rows
+            lp, ent = token_logprobs_and_entropy(
+                head_logits(hidden[start:end], w, bf16), targets[start:end], sampling, with_entropy
+            )
+            logprobs[start:end] = lp
+            if with_entropy:
+                entropy[start:end] = ent
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.sampling, ctx.bf16, ctx.rows = sampling, bf16, rows
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, _grad_entropy):
+        hidden, weight, targets = ctx.saved_tensors
+        sampling, bf16, rows = ctx.sampling, ctx.bf16, ctx.rows
+        w = weight.to(torch.bfloat16) if bf16 else weight
+        grad_hidden = torch.empty_like(hidden)
+        acc = at_least_fp32(weight.dtype)
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)  # fp32 over chunks
+        for start in range(0, len(targets), rows):
+            end = start + rows
+            g = grad_logprobs[start:end, None].to(acc)  # (c, 1)
+            logits = head_logits(hidden[start:end], w, bf16)
+            scaled = processed_logits(logits, sampling, keep=targets[start:end])
+            probs = scaled.sub_(scaled.logsumexp(-1, keepdim=True)).exp_()  # (c, V), in place: 0 off the set
+            grad = probs.mul_(-g).scatter_add_(1, targets[start:end, None], g).div_(sampling.temperature)
+            grad = grad.to(w.dtype)  # what autocast's matmul backward sees
+            grad_hidden[start:end] = (grad @ w).to(hidden.dtype)
+            grad_weight += grad.T @ hidden[start:end].to(w.dtype)
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
+
+
+def streamed_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    sampling: Sampling,
+    with_entropy: bool = False,
+    bf16: bool = False,
+    chunk_logits: int = HEAD_CHUNK_LOGITS,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """token_logprobs_and_entropy(hidden @ weight.T, targets, ...) without the (N, V) logits: hidden (N, H)
+    the final hidden states of the positions that predict `targets` (N,), weight (V, H) the LM head's.
+    Differentiable in hidden and weight (entropy: no grad). Returns (logprobs (N,), entropy (N,) or None)."""
+    rows = max(1, chunk_logits // weight.shape[0])
+    lp, entropy = _StreamedHead.apply(hidden, weight, targets, sampling, with_entropy, bf16, rows)
+    return lp, (entropy if with_entropy else None)
+
+
+_NO_LOGITS: dict = {}  # device → an empty index: the model's own LM head computes no logits at all
+
+
+def final_hidden(model, input_ids, position_ids, bf16: bool = False, attention: dict | None = None):
+    """(T, H) hidden states after the final norm of one packed row (1, T), the forward under bf16
+    autocast when `bf16`. Through the model's own forward (FSDP's root hooks gather the root's weights,
+    the LM head's included) with an empty `logits_to_keep`, so no logits are computed. `attention`:
+    extra forward kwargs for the packed attention (collate's, from the sequence lengths known on the
+    host: no device→host transfer to find the boundaries)."""
+    device = input_ids.device
+    keep = _NO_LOGITS.setdefault(device, torch.empty(0, dtype=torch.long, device=device))
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        out = model(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep,
+            output_hidden_states=True, **(attention or {}),
+        )  # fmt: skip
+    return out.hidden_states[-1][0]  # the last is after the final norm (transformers' capture_outputs)
+
+
+def head_weight(model) -> torch.Tensor:
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("the streamed head takes an LM head without bias (Qwen2/Qwen3, Llama)")
+    return head.weight
+
+
 def token_logprobs(
-    model, input_ids, position_ids, sampling: Sampling, with_entropy: bool = False, bf16: bool = False
+    model,
+    input_ids,
+    position_ids,
+    sampling: Sampling,
+    with_entropy: bool = False,
+    bf16: bool = False,
+    *,
+    positions: torch.Tensor | None = None,
+    attention: dict | None = None,
 ):
     """log π(token_j | tokens < j) under the distribution vLLM samples from (temperature, top-k, top-p:
-    above) for every position of a packed row (position 0 gets 0: nothing predicts it). `bf16`:
-    the forward under bf16 autocast (--compute-dtype bf16); the log-softmax is fp32 either way.
+    above) at the `positions` j ≥ 1 of a packed row (1, T) (collate's "positions": the loss's tokens and
+    every token of a traced sequence; None: every j ≥ 1), 0 elsewhere. `attention`: collate's packed
+    attention kwargs (None: the attention finds the sequences from the position restarts). `bf16`: the
+    forward under bf16 autocast (--compute-dtype bf16); the head's matmul in bf16, its log-softmax in
+    fp32 either way.
+    The trainer, the reference model and the fidelity re-score all score tokens here.
     Returns (logprobs (T,), entropy (T,) or None)."""
-    with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=bf16):
-        logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0]  # (T, V)
-    # (T−1, V): position j−1 predicts token j; each target stays in its row's kept set (see above)
-    lp, entropy = token_logprobs_and_entropy(logits[:-1], input_ids[0, 1:], sampling, with_entropy)
-    zero = lp.new_zeros(1)
-    return torch.cat([zero, lp]), (torch.cat([zero, entropy]) if with_entropy else None)
+    T = input_ids.shape[1]
+    if positions is None:
+        positions = torch.arange(1, T, device=input_ids.device)
+    hidden = final_hidden(model, input_ids, position_ids, bf16, attention)  # (T, H)
+    # position j − 1 predicts token j; each target stays in its row's kept set (see above)
+    lp, entropy = streamed_logprobs(
+        hidden[positions - 1], head_weight(model), input_ids[0, positions], sampling, with_entropy, bf16
+    )
+    zeros = lp.new_zeros(T)
+    lp = zeros.index_copy(0, positions, lp)
+    return lp, (zeros.index_copy(0, positions, entropy) if with_entropy else None)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -193,6 +324,17 @@ async def probe_server(
     return out
 
 
+# vLLM's OpenAI server sends a −inf logprob as −9999.0 (entrypoints/openai/completion/serving.py:
+# `max(logprob, -9999.0)`, JSON has no −inf): a top-N token outside its truncated set. Read as a real
+# value it is a gap of ~1e4 nats against the trainer's finite one at a top-p boundary.
+VLLM_NEG_INF = -9999.0
+
+
+def from_vllm(logprobs: torch.Tensor) -> torch.Tensor:
+    """vLLM's logprobs with its −inf stand-in read back as −inf."""
+    return logprobs.masked_fill(logprobs <= VLLM_NEG_INF, -math.inf)
+
+
 Scored = tuple[list[float], list[list[float]]]  # the trainer's logprobs: sampled tokens, each top dict's ids
 
 
@@ -203,11 +345,13 @@ def mismatch(samples: list[ProbeSample], scored: list[Scored]) -> tuple[float, f
     temperature, raw logprobs, a penalty). A TOP_N entry either side gives as −inf (outside its truncated
     set: near-uniform logits can put the top-p boundary one token apart) is skipped; a sampled token the
     trainer gives as −inf is an infinite gap."""
-    mu = torch.tensor([x for s in samples for x in s.behaviour_logprobs], dtype=torch.float64)
+    mu = from_vllm(torch.tensor([x for s in samples for x in s.behaviour_logprobs], dtype=torch.float64))
     pi = torch.tensor([x for lp, _ in scored for x in lp], dtype=torch.float64)
     log_ratio = pi - mu
     k3 = (log_ratio.exp() - 1 - log_ratio).mean().item() if len(mu) else 0.0
-    top_mu = torch.tensor([v for s in samples for d in s.top for v in d.values()], dtype=torch.float64)
+    top_mu = from_vllm(
+        torch.tensor([v for s in samples for d in s.top for v in d.values()], dtype=torch.float64)
+    )
     top_pi = torch.tensor([v for _, top in scored for row in top for v in row], dtype=torch.float64)
     kept = torch.isfinite(top_mu) & torch.isfinite(
         top_pi
@@ -254,20 +398,18 @@ def check_fidelity(
 
 @torch.no_grad()
 def rescore(model, samples: list[ProbeSample], device, bf16: bool) -> list[Scored]:
-    """The trainer's logprobs of each probe sample: of its completion's tokens, with the function
-    training uses, and of the ids of each position's top dict, from the same forward."""
+    """The trainer's logprobs of each probe sample: of its completion's tokens, through the head training
+    uses (token_logprobs' path: final_hidden → streamed_logprobs), and of the ids of each position's top
+    dict, from the same forward. Only the positions that predict a completion token go through the
+    vocabulary projection: the prompt's logits (most of the sequence) are never computed."""
     out = []
     for s in samples:
         ids = torch.tensor([s.prompt_ids + s.completion_ids], device=device)
-        positions = torch.arange(ids.shape[1], device=device)[None]
-        # Only the positions that predict a completion token go through the vocabulary projection: the
-        # prompt's logits (most of the sequence, a real vocabulary's largest tensor) are never used.
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            kept = len(s.completion_ids) + 1
-            logits = model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=kept).logits
-        logits = logits[0, :-1]  # (completion length, V): each predicts its token
-        lp, _ = token_logprobs_and_entropy(logits, ids[0, len(s.prompt_ids) :], s.sampling)
-        full = torch.log_softmax(processed_logits(logits, s.sampling), dim=-1)
+        hidden = final_hidden(model, ids, torch.arange(ids.shape[1], device=device)[None], bf16)
+        hidden = hidden[len(s.prompt_ids) - 1 : -1]  # (completion length, H): each predicts its token
+        weight = head_weight(model)
+        lp, _ = streamed_logprobs(hidden, weight, ids[0, len(s.prompt_ids) :], s.sampling, bf16=bf16)
+        full = torch.log_softmax(processed_logits(head_logits(hidden, weight, bf16), s.sampling), dim=-1)
         top = [full[j, list(d)].tolist() for j, d in enumerate(s.top)]
         out.append((lp.tolist(), top))
     return out

@@ -25,62 +25,33 @@ The plan is checked before anything starts and printed in one line; one GPU need
     torchrun --nnodes 2 --nproc-per-node 8 --node-rank i --master-addr NODE0 --master-port 29500 \
         train_async_grpo.py --model Qwen/Qwen2.5-7B-Instruct --vllm-url http://SERVER:8000
 
-Multi-rank (WORLD_SIZE > 1): FSDP2 (`fully_shard` on each decoder layer, then the root; nccl on GPU,
-gloo on CPU). Rank 0 owns the servers, the rollout worker, eval, metrics and writing checkpoints; each
-step it broadcasts the packed sequences (or a stop message, so an error or Ctrl-C on rank 0 ends every
-rank), every rank packs them identically, trains on micro-batches rank::world_size and scales its loss
-by world_size (FSDP averages gradients over ranks; the denominators are the whole batch's). Every rank
-joins the gathers of the weight sync and of the checkpoints (full state dicts, model and optimizer,
-gathered to rank 0's CPU), so a checkpoint is the same files whatever the number of ranks.
+Multi-rank (WORLD_SIZE > 1): FSDP2 on each decoder layer, then the root (nccl on GPU, gloo on CPU). Rank 0
+owns the servers, the rollout worker, eval, metrics and checkpoint files; each step it broadcasts the
+packed sequences (or a stop message), every rank trains on micro-batches rank::world_size, and every rank
+joins the gathers of the weight sync and of the checkpoints (the same files whatever the rank count).
 
-The loop. A rollout worker (rollout.AsyncRolloutWorker, in a process of its own: rollout_process.py,
-pinned to `--rollout-cpus`, so that its work lands on neither the trainer's GIL nor its cores) keeps
-generating scored groups of `--num-generations` completions per prompt into a queue; it admits a new
-group only while it stays within `--max-staleness` versions ahead of the trainer. The trainer takes
-`--prompts-per-step` groups per step (in the order they finish, so a slow group can arrive later than
-that bound: it is trained all the same, IS-corrected; `--drop-stale` drops it instead), skips groups
-whose rewards are all equal (their advantage is zero), packs the sequences, takes `--mini-batches`
-AdamW steps (default one), and every `--sync-every` steps pushes its weights into the servers
-(weight_sync.WeightSyncer); the model version then increments.
+The loop. A rollout worker (rollout.py, in a process of its own: rollout_process.py) keeps generating
+scored groups of `--num-generations` completions per prompt, admitting a group only while it stays within
+`--max-staleness` model versions of the trainer. Each step takes `--prompts-per-step` groups in the order
+they finish, skips groups whose rewards are all equal, packs the sequences, takes `--mini-batches` AdamW
+steps, and every `--sync-every` steps pushes the weights into the servers (weight_sync.py): a new version.
 
-Choices a reader should know before the code (see loss.py for the loss's own departures):
-  - Staleness is counted in model versions (one version = one weight sync = `--sync-every` steps), the
-    unit of admission (`--max-staleness`), of `--drop-stale` and of the per-token lag metrics
-    (rollout/token_lag_*: trainer version − oldest version of the token's turn, an upper bound).
-  - Late groups are kept: their behaviour logprobs are exact whatever the version, so the truncated IS
-    weight min(π_old/μ, C) corrects them. Dropping them (`--drop-stale`) biases the run against long
-    episodes (a group is as slow as its slowest completion; in ReTool those are the multi-turn tool
-    episodes) and throws their compute away; rollout/trained_vs_admitted_len shows the bias.
-  - Default: one optimizer step per batch, so π_old (the trainer's logprob before the update) is the
-    current forward's logprobs detached; no second forward pass, the PPO ratio is 1 and the clip inert.
-    `--mini-batches N` splits the batch's sequences into N and takes one step on each, with π_old from
-    one no-grad pass before the first: a real trust region (train/clip_*_frac > 0), for one extra
-    forward. The denominators are each mini-batch's; train/loss and train/grad_norm are their means.
-  - `--rollout-cpus` puts the launched servers and the rollout process (with the threads and processes it
-    starts) on those CPUs and the trainer on the rest (envs.confine.pin_to_rollout_cpus), so that
-    generation-side work does not slow the trainer's step (its own process already keeps it off the
-    trainer's GIL).
-  - Precision: fp32 weights and AdamW state, bf16 forward/backward on GPU (`--compute-dtype`; autocast in
-    one process, FSDP2's MixedPrecisionPolicy over fp32 shards); the sync casts to the servers' bf16.
-    bf16 weights would not train: at lr 1e-6 an update is far below half a bf16 ulp.
-  - Logprobs are those of the distribution vLLM samples from (logits / T, then top-k / top-p
-    truncation and renormalization: sampling.py), matching vLLM's processed logprobs. Every request
-    states every sampling field, and a start-up probe refuses a server that samples otherwise.
-  - Packing: every micro-batch is ONE row of concatenated sequences, no padding; each sequence attends
-    only to itself at a cost of Σ len² (batches.py), so rows of 512-4096 tokens train faster than one
-    sequence per forward (README, figure 2a).
-  - train/mismatch_kl is k3 KL(μ ‖ π_old) over the whole batch; all micro-batches are before the update.
-  - Accuracy = share of completions with reward ≥ 1 (the envs give exactly 1.0 for a correct answer).
-  - Evaluation (`--eval-every`, evaluate.py) is greedy, at the start (not on resume), every N steps and
-    at the last step, while training rollouts keep running.
-  - Resume (checkpoint.py) loses no row: the checkpoint records the rows admitted and not yet trained
-    (generating, queued, or taken by an unfinished step) and the resumed worker admits them first,
-    then the stream goes on where admission stopped (batches.StreamPosition). A group the trainer
-    dropped (--drop-stale, equal rewards) or the worker failed after its retries counts as used, as
-    in an uninterrupted run (a failure in the last 0.2 s before a checkpoint is retried after it).
-  - Faults: a server that dies or restarts does not stop the run (`heal`); Ctrl-C and SIGTERM are
-    deferred once the servers are up, so the run stops between steps; the run stops (with a checkpoint)
-    only if no batch comes within --batch-timeout (`shutdown`).
+Choices a reader should know before the code (loss.py lists the loss's own departures; docs/design.md
+has the depth):
+  - Staleness is counted in model versions. A group later than `--max-staleness` is trained, IS-corrected
+    (its behaviour logprobs are exact); `--drop-stale` drops it, a bias against long tool episodes.
+  - One optimizer step per batch by default: π_old is the forward's own logprobs, detached, and the clip
+    is inert; `--mini-batches N` makes it a live trust region for one extra no-grad forward.
+  - Precision: fp32 weights and AdamW state, bf16 forward/backward on GPU (`--compute-dtype`); the sync
+    casts to the servers' bf16. bf16 weights would not train: at lr 1e-6 an update is below half an ulp.
+  - Logprobs are those of the distribution vLLM samples from (temperature, top-k/top-p: sampling.py); every
+    request states every sampling field, a start-up probe and a per-sync check refuse a server that
+    samples otherwise (docs/fidelity.md).
+  - Packing: a micro-batch is one row of concatenated sequences, each attending only to itself (batches.py).
+  - Resume (checkpoint.py) loses no row: the checkpoint records the rows admitted and not yet trained, and
+    the resumed worker admits them first; a resume over another seed or dataset is refused.
+  - Faults: a server that dies or restarts does not stop the run (`heal`); Ctrl-C and SIGTERM stop it
+    between steps; it stops (with a checkpoint) only if no batch comes within --batch-timeout.
 """
 
 import argparse
@@ -138,7 +109,7 @@ from trainer import (
     train_step,
 )
 from vllm_server import healthy, relaunch_exited, served_model_name, write_servers_file
-from weight_sync import WeightSyncer, WeightSyncError, post
+from weight_sync import WeightSyncer, WeightSyncError
 
 # fmt: off
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -197,6 +168,9 @@ parser.add_argument("--compute-dtype", choices=["bf16", "fp32"],
                     help="forward/backward dtype over fp32 weights (default: bf16 on GPU, fp32 on CPU)")
 parser.add_argument("--micro-batch-tokens", type=int, default=4096, help="packed tokens per forward pass")
 parser.add_argument("--mini-batches", type=int, default=1, help="optimizer steps per batch (> 1: live clip)")
+parser.add_argument("--gradient-checkpointing", choices=["auto", "on", "off"], default="auto",
+                    help="recompute activations in backward; auto: on only when a micro-batch's would not "
+                         "fit in free memory (trainer.choose_checkpointing; the start-up line says why)")
 parser.add_argument("--sync-every", type=int, default=1, help="weight sync every N steps (a model version)")
 parser.add_argument("--fidelity-every", type=int, default=1,
                     help="after every N-th sync, re-score each server's probe with new weights (0: never)")
@@ -405,7 +379,6 @@ class Run:
     verify: object = None
     nonfinite_steps: int = 0  # steps whose update was not applied (a non-finite loss or gradient)
     nonfinite_in_row: int = 0
-    servers_out: list = field(default_factory=list)  # taken out of the run by the per-sync check
 
 
 def save(run: Run) -> Path:
@@ -426,7 +399,7 @@ def heal(run: Run, push: bool = True) -> None:
     sync) gets a new transfer group and, unless a sync to all follows at once (`push=False`), the
     current weights; the client routes to it again once it reports our version. A failure is retried
     next call."""
-    relaunch_exited(run.servers, run.out_dir / "vllm-logs" / "servers.json", stuck=run.syncer.stuck)
+    relaunch_exited(run.servers, run.out_dir / "vllm-logs" / "servers.json", stuck=run.syncer.to_restart())
     stale = run.syncer.rejoin()
     if not stale:
         return
@@ -470,7 +443,7 @@ def start_rollouts(
     # The fp32 masters are cast to the servers' dtype as they are sent (half the bytes on GPU).
     run.syncer = WeightSyncer(
         urls, backend="nccl" if on_gpu else "gloo", send_dtype=getattr(torch, serving_dtype),
-        master_address=args.sync_host,
+        master_address=args.sync_host, startup_timeout_s=args.server_timeout,
     )  # fmt: skip
     run.syncer.init()
     # Always push ours, even onto launched servers that hold the base model: servers given by
@@ -480,12 +453,12 @@ def start_rollouts(
     probe_prompts = [template.prompt_ids(make_episode(r).messages) for r in rows[:4]]
     bf16 = args.compute_dtype == "bf16" or serving_dtype == "bfloat16"  # either side bf16: the KL bound
 
-    def sample(url: str, bare: bool) -> dict:
+    def sample(url: str, bare: bool, seed: int = args.seed) -> dict:
         # After a sync (bare=False) one prompt's 32-token completion compares as many positions as two
         # of 16 did, at half the re-scoring cost: the forward's cost is mostly the prompt.
         prompts = probe_prompts if bare else probe_prompts[:PER_SYNC_PROMPTS]
         max_tokens = PROBE_TOKENS if bare else PER_SYNC_TOKENS
-        return probe(url, model_name, prompts, sampling_of(args), args.seed, bare, max_tokens)
+        return probe(url, model_name, prompts, sampling_of(args), seed, bare, max_tokens)
 
     run.sample = sample
     run.verify = lambda url, samples: verify_server(url, samples, run.model, bf16, run.world_size, device)
@@ -544,9 +517,11 @@ def sync_if_due(run: Run) -> dict[str, float]:
         except WeightSyncError as e:
             print(f"\nstep {run.step}: {e}", file=sys.stderr, flush=True)
         sync["sync/servers_failed"] = float(len(run.syncer.failed))
+        # The weights have landed: turns finishing from now on are on this version (a server the check
+        # below takes out stops being routed to when it is).
+        run.worker.set_version(run.version)
         if run.args.fidelity_every and run.version % run.args.fidelity_every == 0:
             sync.update(verify_after_sync(run))
-        run.worker.set_version(run.version)
     return sync
 
 
@@ -557,7 +532,8 @@ def verify_after_sync(run: Run) -> dict[str, float]:
     """Round-trip check of a sync: each server that took it samples the probe's short seeded
     completions, and the trainer re-scores them with the weights it just sent (the start-up probe's
     run request and bounds). A server beyond them is out of step: it is re-synced and checked again,
-    and if it stays out, taken out of the run (`take_out`). Returns the fidelity/ keys (worst over
+    with a fresh seed (the first check's bf16 noise is not drawn again), and if it stays out, taken
+    out of the run (`WeightSyncer.take_out`). Returns the fidelity/ keys (worst over
     servers)."""
     t0, gaps, resynced = time.monotonic(), [], 0
     urls = [u for u in run.syncer.urls if u in run.syncer.groups and u not in run.syncer.failed]
@@ -574,40 +550,20 @@ def verify_after_sync(run: Run) -> dict[str, float]:
         resynced += 1
         try:
             sync_weights(run.syncer, run.model, run.version, run.world_size, urls=[url])
-            gaps.append(run.verify(url, run.sample(url, False)))
+            gaps.append(run.verify(url, run.sample(url, False, run.args.seed + run.version)))
         except (FidelityError, WeightSyncError) as e:
-            take_out(run, url, str(e))
+            run.syncer.take_out(url, str(e))
+            print(
+                f"\nstep {run.step}: {url} taken out of routing for the rest of the run: still out of step "
+                f"after a re-sync ({e})", file=sys.stderr, flush=True,
+            )  # fmt: skip
     if not run.syncer.urls:
         raise FidelityError("every server is out of step with the trainer after a sync (above)")
     return (worst_gaps(gaps) if gaps else {}) | {
         "fidelity/seconds": time.monotonic() - t0,
         "fidelity/servers_resynced": float(resynced),
-        "fidelity/servers_out": float(len(run.servers_out)),
+        "fidelity/servers_out": float(len(run.syncer.taken_out)),
     }
-
-
-def take_out(run: Run, url: str, why: str) -> None:
-    """A server that stays out of step after a re-sync leaves the run: no more syncs (nor heal), a
-    weight-version tag that is never the trainer's, so the rollout client does not route to it again
-    once it has taken it out, and its requests aborted (which takes it out of the client's routing)."""
-    run.syncer.urls.remove(url)
-    run.syncer.groups.pop(url, None)
-    run.syncer.failed.pop(url, None)
-    run.servers_out.append(url)
-    for path, body in (
-        ("/update_weight_version", {"new_version": "out-of-step"}),
-        ("/pause?mode=abort", None),
-    ):
-        try:
-            post(url, path, body, run.syncer.http_timeout_s)
-        except Exception:  # noqa: BLE001 - a dead server is out of routing already
-            pass
-    print(
-        f"\nstep {run.step}: {url} taken out of routing for the rest of the run: still out of step after a "
-        f"re-sync ({why})",
-        file=sys.stderr,
-        flush=True,
-    )
 
 
 class NonFiniteSteps(RuntimeError):
@@ -676,12 +632,17 @@ def shutdown(run: Run, exc: BaseException | None) -> None:
         run.worker.stop(timeout_s=10.0)
         if run.worker.built:  # a start-up that failed before the servers were up has no counters to say
             print(rollout_counters(run.worker.stats, run.worker.client.stats), file=sys.stderr, flush=True)
-    # A batch that never came or a failed weight sync strikes between steps, when the model and
-    # optimizer are whole: save, like an interrupted run. An exception mid-step saves nothing.
-    between_steps = exc is None or isinstance(exc, (KeyboardInterrupt, BatchTimeout))
-    if between_steps and exc is not None and not isinstance(exc, KeyboardInterrupt):
+    # `exc` is what ended the run (main passes it: in its `finally`, sys.exc_info() is None for an
+    # exception an `except` handled). These strike between steps, with every rank waiting for rank 0's
+    # next message: Ctrl-C, a batch that never came, a refusal (fidelity, the sync group), the non-finite
+    # limit (saved already). NonFiniteWeights too (every rank raised it after the same step), but its
+    # weights are not saved. Anything else may strike mid-step, inside a collective: nothing is saved
+    # and no message sent (torchrun ends the other ranks when rank 0 exits).
+    between = (KeyboardInterrupt, BatchTimeout, FidelityError, NonFiniteSteps, NonFiniteWeights)
+    between_steps = exc is None or isinstance(exc, (*between, WeightSyncError))
+    if isinstance(exc, BatchTimeout):  # the others are named by main's `except`
         print(f"\nstopping at step {run.step}: {exc}", file=sys.stderr, flush=True)
-    if run.step > run.last_saved and between_steps:
+    if run.step > run.last_saved and between_steps and not isinstance(exc, NonFiniteWeights):
         print(f"saved {save(run)}", flush=True)
     if run.world_size > 1 and between_steps:  # the other ranks wait for a message: release them
         broadcast_message({"stop": True}, run.world_size)
@@ -694,6 +655,17 @@ def shutdown(run: Run, exc: BaseException | None) -> None:
     run.completions_file.close()
     if run.world_size > 1:
         dist.destroy_process_group()
+
+
+# What ends a run with exit 1, in one line: a refusal at start-up (fidelity, the transfer groups), every
+# server out of step after a sync, the non-finite limit (saved already), weights non-finite after a step
+# (nothing synced or saved).
+REFUSALS = {
+    FidelityError: "refusing to train: {e}",
+    WeightSyncError: "weight sync: {e}",
+    NonFiniteSteps: "stopping at step {step}: {e}",
+    NonFiniteWeights: "stopping at step {step}: {e}; nothing synced or saved",
+}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -744,7 +716,7 @@ def main(argv: list[str] | None = None) -> None:
         last_saved=step, row_stream=row_stream, metrics_file=open(out_dir / "metrics.jsonl", "a"),
         completions_file=open(out_dir / "completions.jsonl", "a"), worker=worker,
     )  # fmt: skip
-    refused = False
+    refused, exc = False, None  # exc: what ended the run, for shutdown
     try:
         # START ROLLOUTS: servers, weight sync group, fidelity probe, the worker thread -------------
         urls, model_name, fidelity = start_rollouts(
@@ -817,24 +789,19 @@ def main(argv: list[str] | None = None) -> None:
             if run.step % args.save_every == 0:
                 save(run)
                 run.last_saved = run.step
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        exc = e
         print(f"\ninterrupted at step {run.step}; saving a final checkpoint", file=sys.stderr, flush=True)
-    except FidelityError as e:  # before the first step: nothing to save, one line to read
-        print(f"refusing to train: {e}", file=sys.stderr, flush=True)
-        refused = True
-    except NonFiniteSteps as e:  # saved already, between steps
-        print(f"stopping at step {run.step}: {e}", file=sys.stderr, flush=True)
-        refused = True
-    except NonFiniteWeights as e:  # mid-step: nothing is synced or saved (shutdown saves only up to here)
-        print(f"stopping at step {run.step}: {e}; nothing synced or saved", file=sys.stderr, flush=True)
-        run.last_saved = run.step
-        refused = True
-    except WeightSyncError as e:  # the servers could not join the transfer groups: one line, exit 1
-        print(f"weight sync: {e}", file=sys.stderr, flush=True)
-        refused = True
+    except tuple(REFUSALS) as e:  # one line, exit 1
+        exc, refused = e, True
+        line = next(v for k, v in REFUSALS.items() if isinstance(e, k))
+        print(line.format(e=e, step=run.step), file=sys.stderr, flush=True)
+    except BaseException as e:  # BatchTimeout, or a crash: shut down, then it propagates
+        exc = e
+        raise
     finally:
         # SHUTDOWN: stop admitting → stop the worker → release the sync group → stop the servers ----
-        shutdown(run, sys.exc_info()[1])
+        shutdown(run, exc)
     if refused:
         sys.exit(1)
 

@@ -39,19 +39,78 @@ def load_models(args: argparse.Namespace, ckpt: Path | None, device: torch.devic
     load = functools.partial(AutoModelForCausalLM.from_pretrained, attn_implementation=attn)
     model = load(ckpt or args.model, dtype=torch.float32).to(device)
     model.train()
-    if device.type == "cuda":
-        model.gradient_checkpointing_enable()
     loaded_checksum = param_checksum(model.named_parameters()) if ckpt is not None else None
     ref_model = None
     if args.kl_beta > 0:
         ref_dtype = torch.bfloat16 if args.compute_dtype == "bf16" else torch.float32  # frozen: no masters
         ref_model = load(args.model, dtype=ref_dtype).to(device).eval()
         ref_model.requires_grad_(False)
+    n_params = sum(p.numel() for p in model.parameters())
+    on, why = choose_checkpointing(
+        args.gradient_checkpointing, model.config, n_params, args.micro_batch_tokens, world_size,
+        args.compute_dtype == "bf16", free_memory(device, n_params * 4 * (1 - 1 / world_size)),
+    )  # fmt: skip
+    if on:
+        model.gradient_checkpointing_enable()
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(f"gradient checkpointing: {'on' if on else 'off'} ({why})", flush=True)
     if world_size > 1:
         shard_model(model, args.compute_dtype)
         if ref_model is not None:
             shard_model(ref_model, args.compute_dtype)
     return model, ref_model, loaded_checksum
+
+
+# Activation bytes a decoder layer keeps per token for its backward, in 16-bit compute (twice in fp32):
+# Korthikanti et al. 2022's 34·hidden for a layer whose attention keeps no T × T scores (per-sequence
+# sdpa, flash), plus 10 bytes per unit of a SwiGLU MLP's intermediate width (gate, up, their product,
+# the activation, the fp32 upcasts around the norms). At Qwen2.5-1.5B's shape this is 142 KB per token
+# per layer, 30 GiB at 8,192 tokens; issue 38's H100 run peaked at 57 GiB without checkpointing, of
+# which ~24 GiB weights, gradients and AdamW state: ~33 GiB for the rest (the formula leaves ~10 % to
+# CHECKPOINT_HEADROOM).
+def activation_bytes(config, tokens: int, bf16: bool) -> int:
+    per_layer = 34 * config.hidden_size + 10 * config.intermediate_size
+    return tokens * config.num_hidden_layers * per_layer * (1 if bf16 else 2)
+
+
+CHECKPOINT_HEADROOM = 0.85  # of the free memory: the allocator's fragmentation, the head's chunks, NCCL
+
+
+def choose_checkpointing(
+    setting: str, config, n_params: int, micro_batch_tokens: int, world_size: int, bf16: bool,
+    free_bytes: int | None,
+) -> tuple[bool, str]:  # fmt: skip
+    """(on, why) for --gradient-checkpointing: "on" / "off" as given; "auto" turns it on only when a
+    micro-batch's activations without it, plus the gradients and AdamW state still to come (12 bytes
+    per parameter, sharded over ranks), would not fit in CHECKPOINT_HEADROOM of the free memory
+    (`free_bytes`, measured with the weights loaded; None: unknown, so off)."""
+    if setting != "auto":
+        return setting == "on", f"--gradient-checkpointing {setting}"
+    gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+    acts = activation_bytes(config, micro_batch_tokens, bf16)
+    state = 12 * n_params // world_size
+    need = (
+        f"{gib(acts)} of activations at {micro_batch_tokens}-token micro-batches + {gib(state)} of "
+        "gradients and AdamW"
+    )
+    if free_bytes is None:
+        return False, f"auto: free memory unknown; {need}"
+    on = acts + state > CHECKPOINT_HEADROOM * free_bytes
+    fit = "exceed" if on else "fit in"
+    return on, f"auto: {need} {fit} {CHECKPOINT_HEADROOM:.0%} of the {gib(free_bytes)} free"
+
+
+def free_memory(device: torch.device, freed_later: float = 0.0) -> int | None:
+    """Bytes free for training on `device` (CUDA: the driver's count; CPU: MemAvailable), plus
+    `freed_later` (the unsharded weights FSDP is about to free)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0] + freed_later)
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+    except OSError:
+        return None
+    kib = [int(line.split()[1]) for line in meminfo.splitlines() if line.startswith("MemAvailable:")]
+    return int(kib[0] * 1024 + freed_later) if kib else None
 
 
 def load_tokenizer(args: argparse.Namespace, ckpt: Path | None, episode) -> tuple[object, ChatTemplate]:
@@ -82,7 +141,7 @@ def train_step(
     # bf16 compute over fp32 weights: autocast runs the matmuls in bf16, the gradients land on the fp32
     # parameters, AdamW updates fp32 (a 1e-6 step is far below half a bf16 ulp: bf16 weights would not
     # move). Under FSDP2 the MixedPrecisionPolicy (shard_model) casts the gathered weights as well.
-    bf16 = args.compute_dtype == "bf16"
+    bf16, sampling = args.compute_dtype == "bf16", sampling_of(args)
     n_mini = getattr(args, "mini_batches", 1)
     minis = [seqs[j * len(seqs) // n_mini : (j + 1) * len(seqs) // n_mini] for j in range(n_mini)]
     mini_bins = [pack(mini, args.micro_batch_tokens) for mini in minis]
@@ -91,30 +150,24 @@ def train_step(
         with torch.no_grad():
             for j, (mini, bins) in enumerate(zip(minis, mini_bins)):
                 for i, mb_seqs in enumerate(rank_micro_batches(mini, bins, rank, world_size)):
-                    mb = collate(mb_seqs, device)
-                    old[j][i], _ = token_logprobs(
-                        model, mb["input_ids"], mb["position_ids"], sampling_of(args), bf16=bf16
-                    )
+                    old[j][i], _ = score(model, collate(mb_seqs, device), sampling, bf16)
     sums: dict[str, float] = {}
-    maxima = {"is_ratio_max": 0.0}
-    grad_norms, lr, nonfinite = [], scheduler.get_last_lr()[0], ""
-    traced_here: dict[int, list[float]] = {}
+    ratio_max, grad_norms, lr, nonfinite = 0.0, [], scheduler.get_last_lr()[0], ""
+    to_trace = []  # (micro-batch sequences, their π_old on the device): read after the step
     for mini, bins, mini_old in zip(minis, mini_bins, old):
         total_tokens = float(sum(sum(s["mask"]) for s in mini))
         num_sequences = float(sum(1 for s in mini if sum(s["mask"]) > 0))
-        mini_sums: dict[str, float] = {}
+        # NO HOST SYNC UNTIL THE READ BELOW: the metrics add up on the device, the host queues work
+        mini_sums = torch.zeros(len(SUMMED), dtype=torch.float64, device=device)
+        mini_max = torch.zeros(1, dtype=torch.float64, device=device)
         optimizer.zero_grad(set_to_none=True)
         for mb_seqs, mb_old in zip(rank_micro_batches(mini, bins, rank, world_size), mini_old):
             mb = collate(mb_seqs, device)
-            logprobs, entropy = token_logprobs(
-                model, mb["input_ids"], mb["position_ids"], sampling_of(args), with_entropy=True, bf16=bf16
-            )
+            logprobs, entropy = score(model, mb, sampling, bf16, with_entropy=True)
             ref = None
             if ref_model is not None:
                 with torch.no_grad():
-                    ref, _ = token_logprobs(
-                        ref_model, mb["input_ids"], mb["position_ids"], sampling_of(args), bf16=bf16
-                    )
+                    ref, _ = score(ref_model, mb, sampling, bf16)
             loss, m = grpo_loss(
                 logprobs, logprobs.detach() if mb_old is None else mb_old, mb["behaviour"], mb["advantages"],
                 mb["loss_mask"], mb["seq_index"], eps_low=args.eps_low, eps_high=args.eps_high,
@@ -123,24 +176,24 @@ def train_step(
                 entropy=entropy,
             )  # fmt: skip
             (loss * world_size).backward()
-            keep_traced(traced_here, mb_seqs, logprobs if mb_old is None else mb_old)
-            mini_sums["loss"] = mini_sums.get("loss", 0.0) + loss.item()
-            for k, v in m.items():
-                if k == "is_ratio_max":
-                    maxima[k] = max(maxima[k], v.item())
-                else:
-                    mini_sums[k] = mini_sums.get(k, 0.0) + v.item()
-        mini_sums, maxima = reduce_over_ranks(mini_sums, maxima, world_size, device)
-        for k, v in mini_sums.items():
-            sums[k] = sums.get(k, 0.0) + v
+            if any("trace" in s for s in mb_seqs):
+                to_trace.append((mb_seqs, (logprobs if mb_old is None else mb_old).detach()))
+            m["loss"] = loss.detach()
+            zero = loss.new_zeros(())
+            mini_sums += torch.stack([m.get(k, zero) for k in SUMMED]).double()
+            mini_max = torch.maximum(mini_max, m["is_ratio_max"].double())
+        reduce_over_ranks(mini_sums, mini_max, world_size)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        grad_norm = (
-            grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        )  # FSDP: DTensor
-        grad_norms.append(grad_norm.item())
+        if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
+            grad_norm = grad_norm.full_tensor()
+        # THE ONE READ of this optimizer step: every metric, the loss and the gradient norm together
+        *summed, mb_max, norm = torch.cat([mini_sums, mini_max, grad_norm.double()[None]]).tolist()
+        for k, v in zip(SUMMED, summed):
+            sums[k] = sums.get(k, 0.0) + v
+        ratio_max, grad_norms = max(ratio_max, mb_max), grad_norms + [norm]
         # The guard, before the step: the loss is reduced over ranks and the norm is the whole model's,
         # so every rank takes the same decision without a collective of its own.
-        nonfinite = nonfinite_before_step(mini_sums["loss"], grad_norms[-1], model)
+        nonfinite = nonfinite_before_step(summed[0], norm, model)
         if nonfinite:
             if n_mini > 1:
                 nonfinite = f"mini-batch {len(grad_norms)}/{n_mini}: {nonfinite}"
@@ -149,6 +202,9 @@ def train_step(
         optimizer.step()
         check_weights_finite(model, lr, world_size, device)
     scheduler.step()
+    traced_here: dict[int, list[float]] = {}
+    for mb_seqs, lp in to_trace:
+        keep_traced(traced_here, mb_seqs, lp)
     if any("trace" in s for s in seqs):
         gathered = gather_traced(traced_here, world_size)
         if traced is not None:
@@ -159,18 +215,31 @@ def train_step(
         "train/clip_low_frac": sums["clip_low"] / ntok,
         "train/clip_high_frac": sums["clip_high"] / ntok,
         "train/is_ratio_mean": sums["is_ratio"] / ntok,
-        "train/is_ratio_max": maxima["is_ratio_max"],
+        "train/is_ratio_max": ratio_max,
         "train/is_capped_frac": sums["is_capped"] / ntok,
         "train/mismatch_kl": sums["mismatch_kl"] / ntok,
         "train/entropy": sums["entropy"] / ntok,
-        "train/kl_ref": sums.get("kl_ref", 0.0) / ntok,
+        "train/kl_ref": sums["kl_ref"] / ntok,
         "train/grad_norm": sum(grad_norms) / len(grad_norms),
         "train/lr": lr,
-        "train/loss_tokens": sums.get("tokens", 0.0),
+        "train/loss_tokens": sums["tokens"],
         "train/micro_batches": float(sum(len(b) for b in mini_bins)),
         "train/optimizer_steps": float(n_mini),
         "nonfinite": nonfinite,  # "" or what was non-finite: the loop pops it (train/nonfinite_steps)
     }
+
+
+# grpo_loss's summed metrics (and the loss), in the order of the step's one device tensor of sums
+SUMMED = ("loss", "tokens", "clip_low", "clip_high", "is_ratio", "is_capped", "mismatch_kl", "entropy",
+          "kl_ref")  # fmt: skip
+
+
+def score(model, mb: dict, sampling: Sampling, bf16: bool, with_entropy: bool = False):
+    """token_logprobs of a collated micro-batch at the positions the step needs (collate's)."""
+    return token_logprobs(
+        model, mb["input_ids"], mb["position_ids"], sampling, with_entropy, bf16,
+        positions=mb["positions"], attention=mb["attention"],
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -206,9 +275,9 @@ def check_weights_finite(model, lr: float, world_size: int, device) -> None:
     (that would take a copy of the model and its AdamW state every step): the run stops at once, syncs
     and saves nothing, and its newest checkpoint holds the last finite weights."""
     params = list(model.named_parameters())
-    finite = bool(torch.stack([_finite(p) for _, p in params]).all())
-    _, worst = reduce_over_ranks({}, {"nonfinite": float(not finite)}, world_size, device)
-    if worst["nonfinite"]:
+    nonfinite = (~torch.stack([_finite(p) for _, p in params]).all()).double()[None]  # (1,)
+    reduce_over_ranks(None, nonfinite, world_size)
+    if nonfinite.item():  # the step's second and last host read
         where = next((n for n, p in params if not _finite(p)), "another rank's shard")
         raise NonFiniteWeights(f"{where} is non-finite after the AdamW step (lr {lr:g})")
 

@@ -299,7 +299,7 @@ def start_vllm_server(
         "--seed", str(seed),
     ]  # fmt: skip
     if backend == "gloo":
-        cmd += ["--worker-extension-cls", "weight_sync.GlooWorkerExtension"]
+        cmd += ["--worker-extension-cls", "weight_sync_server.GlooWorkerExtension"]
     if not on_gpu:
         # Inductor warm-up costs ~50 s per start on 2 cores and buys nothing for a tiny model.
         cmd += ["--enforce-eager"]

@@ -20,16 +20,15 @@ group. nccl: one group over every worker of every server (server i's workers aft
 0..i-1), as vLLM's own trainer engine does.
 
 GPU: the workers run vLLM's `nccl` engine and the trainer uses vLLM's own NCCL helpers (rendezvous
-and packed producer), so both sides are vLLM's code. CPU: vLLM ships no CPU engine, so this module
-registers a `gloo` one at import. vLLM creates the engine in each worker at model load, after it has
-imported the class named by `--worker-extension-cls`; `vllm_server.py` names `GlooWorkerExtension`
-below, which is how this module gets imported inside the workers. The gloo engine mirrors the NCCL
-one: the same update payload (names, dtypes, shapes), the same layerwise reload. Tensors travel as
-pieces cut identically on both sides from that payload (`plan_buckets` with `PIECE_BYTES`): a tensor
-over 1 MiB alone, sent from its own memory (no copy when it is contiguous and already in the
-send dtype), runs of smaller ones together. Both sides keep up to `bucket_bytes` of pieces posted
-ahead, so the worker receives the next pieces (on gloo's threads, on a core vLLM's compute threads
-are not pinned to) while `load_weights` loads this one, into receive buffers kept between syncs.
+and packed producer), so both sides are vLLM's code. CPU: vLLM ships no CPU engine, so
+`weight_sync_server.py` registers a `gloo` one, imported into every worker by `--worker-extension-cls`
+(vllm_server.py). The gloo engine mirrors the NCCL one: the same update payload (names, dtypes,
+shapes), the same layerwise reload. Tensors travel as pieces cut identically on both sides from that
+payload (`plan_buckets` with `PIECE_BYTES`): a tensor over 1 MiB alone, sent from its own memory (no
+copy when it is contiguous and already in the send dtype), runs of smaller ones together. Both sides
+keep up to `bucket_bytes` of pieces posted ahead, so the worker receives the next pieces (on gloo's
+threads, on a core vLLM's compute threads are not pinned to) while `load_weights` loads this one, into
+receive buffers kept between syncs.
 
 Never hang: every HTTP call and every collective has a timeout (the NCCL send, which has none, runs
 on a thread we stop waiting for). A server that fails (dead, erroring, silent) is dropped from the
@@ -40,13 +39,12 @@ weight-version tag (`/weight_info`, "default" on a fresh server) tells which one
 
 Departures from vLLM's own trainer engine (`NCCLTrainerWeightTransferEngine`): several independent
 servers (one gloo group each), pause/resume and the version bump done here, timeouts on everything, and on
-CPU the tied lm_head re-packed after each sync (see `_repack_cpu_embedding_gemms`).
+CPU the tied lm_head re-packed after each sync (weight_sync_server.py).
 """
 
 import datetime
 import json
 import math
-import os
 import queue
 import sys
 import threading
@@ -58,7 +56,6 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -78,7 +75,7 @@ class WeightSyncError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------------------
-# TRANSPORT HELPERS (shared by the trainer and the gloo worker engine)
+# TRANSPORT HELPERS (shared with the gloo worker engine: weight_sync_server.py)
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -131,229 +128,6 @@ def _to_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------
-# WORKER SIDE: the gloo engine, registered at import, and the extension class that gets us imported
-# ---------------------------------------------------------------------------------------------------
-# Defined where vLLM is loaded already: in a server, vLLM imports this module for the class named by
-# `--worker-extension-cls`. The trainer (and a trainer-only environment) skips it: importing vLLM there
-# would cost every trainer process ~1.5 s of start-up for classes only a server uses.
-if "vllm" in sys.modules:
-    from vllm.distributed.weight_transfer.base import (
-        WeightTransferEngine,
-        WeightTransferInitInfo,
-        WeightTransferUpdateInfo,
-    )
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
-    @dataclass
-    class GlooInitInfo(WeightTransferInitInfo):
-        master_address: str
-        master_port: int
-        rank_offset: int  # rank of this server's first worker (the trainer is rank 0)
-        world_size: int  # trainer + every worker of every server
-        timeout_s: float = 300.0
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES
-
-    @dataclass
-    class GlooUpdateInfo(WeightTransferUpdateInfo):
-        # Same payload as vLLM's NCCL engine, so the trainer builds one dict for both backends.
-        names: list[str] = field(default_factory=list)
-        dtype_names: list[str] = field(default_factory=list)
-        shapes: list[list[int]] = field(default_factory=list)
-
-    class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
-        """Receives the trainer's (rank 0's) broadcast pieces and loads them with `load_weights`, inside
-        vLLM's layerwise reload, exactly as the NCCL engine does."""
-
-        init_info_cls = GlooInitInfo
-        update_info_cls = GlooUpdateInfo
-
-        def __init__(self, config, vllm_config, device, model) -> None:
-            super().__init__(config, vllm_config, device, model)
-            self.store = None
-            self.group = None
-            self.bucket_bytes = DEFAULT_BUCKET_BYTES
-            # The last sync's seconds in start, update (of which waiting on broadcasts: wait) and finish.
-            self.seconds: dict[str, float] = {}
-            # Receive buffers of the first pieces (up to `bucket_bytes`), kept from one sync to the next:
-            # a fresh buffer costs a page fault per 4 KiB as gloo writes it, more than the copy itself
-            # (105 MB: ~70 ms of faults against ~25 ms of copying, here). Free again once a sync has
-            # finished, since the layerwise reload has copied every tensor out of them by then.
-            self.buffers: list[torch.Tensor] = []
-
-        def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
-            pc = self.parallel_config
-            # The same rank arithmetic as vLLM's NCCL engine (worker_init_process_group).
-            rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
-            self.bucket_bytes = init_info.bucket_bytes
-            self.buffers = []  # a receive the old group left posted may yet write them
-            # vLLM pins this thread to its OMP core(s), and gloo's threads, made now, would inherit that:
-            # the receive would then share one core with the load it is meant to overlap. They get every
-            # core of the server instead (those of the engine process that started this worker).
-            pinned = os.sched_getaffinity(0)
-            os.sched_setaffinity(0, os.sched_getaffinity(os.getppid()) | pinned)
-            try:
-                self.store, self.group = gloo_group(
-                    init_info.master_address,
-                    init_info.master_port,
-                    rank,
-                    init_info.world_size,
-                    init_info.timeout_s,
-                )
-            finally:
-                os.sched_setaffinity(0, pinned)
-
-        def start_weight_update(self) -> None:
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-            t0 = time.perf_counter()
-            initialize_layerwise_reload(self.model)
-            self.seconds = {"start": time.perf_counter() - t0}
-
-        def finish_weight_update(self) -> None:
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-            t0 = time.perf_counter()
-            finalize_layerwise_reload(self.model, self.model_config)
-            _repack_cpu_embedding_gemms(self.model)
-            self.seconds["finish"] = time.perf_counter() - t0
-
-        def update_weights(self, update_info: dict) -> None:
-            # The base class ends with torch.accelerator.synchronize(); nothing is asynchronous here.
-            t0 = time.perf_counter()
-            self.seconds["wait"] = 0.0
-            self.receive_weights(self.parse_update_info(update_info))
-            self.seconds["update"] = time.perf_counter() - t0
-
-        def receive_weights(self, update_info: GlooUpdateInfo) -> None:
-            if self.group is None:
-                raise RuntimeError("gloo weight transfer not initialized: call /init_weight_transfer_engine")
-            try:
-                self.model.load_weights(self._received(update_info))
-            except BaseException:
-                self.buffers = []  # a broadcast still posted into one may yet write it
-                # The trainer died mid-transfer (or timed out). Put every layer back on real tensors
-                # (layers never reached keep their old weights) so the server can still serve once
-                # resumed; the trainer has dropped this server, so the mixed weights never feed training.
-                try:
-                    self.finish_weight_update()
-                except Exception:  # noqa: BLE001 - the transfer error is the one to report
-                    pass
-                raise
-
-        def _received(self, update_info: GlooUpdateInfo) -> Iterator[tuple[str, torch.Tensor]]:
-            """Each tensor once its broadcast has landed. The broadcasts of the pieces after it (up to
-            `bucket_bytes` of them, at least one) are posted before it is handed on, so gloo's threads
-            receive them while `load_weights` loads this one."""
-            dtypes = [getattr(torch, d) for d in update_info.dtype_names]
-            sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(update_info.shapes, dtypes)]
-            pieces = plan_buckets(update_info.shapes, dtypes, PIECE_BYTES)
-            piece_bytes = [sum(sizes[i] for i in piece) for piece in pieces]
-            if [b.numel() for b in self.buffers] != piece_bytes[: len(self.buffers)]:
-                self.buffers = []  # another model's payload
-            posted: deque = deque()  # (buffer, its broadcast) of each posted piece, in the order sent
-            ahead = 0  # bytes posted after the piece being loaded
-            for k in range(len(pieces)):
-                if not posted:
-                    ahead += self._post_piece(posted, k, piece_bytes[k])
-                buf, work = posted.popleft()
-                ahead -= buf.numel()
-                nxt = k + 1 + len(posted)
-                while nxt < len(pieces) and (not posted or ahead + piece_bytes[nxt] <= self.bucket_bytes):
-                    ahead += self._post_piece(posted, nxt, piece_bytes[nxt])
-                    nxt += 1
-                t0 = time.perf_counter()
-                work.wait()
-                self.seconds["wait"] = self.seconds.get("wait", 0.0) + time.perf_counter() - t0
-                # Views of `buf`: the layerwise loader may hold them until their layer is complete.
-                for i, chunk in zip(pieces[k], buf.split([sizes[i] for i in pieces[k]])):
-                    yield update_info.names[i], chunk.view(dtypes[i]).view(update_info.shapes[i])
-
-        def _post_piece(self, posted: deque, k: int, num_bytes: int) -> int:
-            if k < len(self.buffers):
-                buf = self.buffers[k]
-            else:
-                buf = torch.empty(num_bytes, dtype=torch.uint8)
-                kept = sum(b.numel() for b in self.buffers)
-                if k == len(self.buffers) and kept + num_bytes <= self.bucket_bytes:
-                    self.buffers.append(buf)
-            posted.append((buf, self.group.broadcast(buf, 0)))
-            return num_bytes
-
-        def shutdown(self) -> None:
-            self.group = None
-            self.buffers = []
-            self.store = None
-
-    try:
-        WeightTransferEngineFactory.register_engine("gloo", GlooWeightTransferEngine)
-    except ValueError:  # already registered (module imported twice under different names)
-        pass
-
-
-def _repack_cpu_embedding_gemms(model: torch.nn.Module) -> None:
-    """Rebuild the CPU GEMM handle of every embedding-method layer (embed_tokens, lm_head).
-
-    vLLM's CPU backend pre-packs linear weights at load (`dispatch_cpu_unquantized_gemm`: oneDNN or
-    sgl handles holding their own copy). The layerwise reload re-runs that packing for each layer that
-    received weights — but with tied embeddings the checkpoint has no `lm_head.weight`, so the lm_head
-    layer receives nothing, keeps its handle, and computes logits from the OLD embedding (measured:
-    logprobs off by far more than 1e-3 after a sync). Re-dispatching is cheap and leaves the weight in
-    place (`remove_weight=False` for embedding layers).
-    """
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-    for module in model.modules():
-        if isinstance(getattr(module, "quant_method", None), UnquantizedEmbeddingMethod) and hasattr(
-            module, "cpu_linear"
-        ):
-            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
-
-
-class GlooWorkerExtension:
-    """Named by `--worker-extension-cls` so every vLLM worker imports this module (and so registers the
-    gloo engine) before it loads the model. The engine does all the work of a sync; the two methods
-    here are for `bench/bench_weight_sync.py`, through the dev-mode `/collective_rpc`."""
-
-    def weight_sync_seconds(self) -> dict:
-        """The worker's side of the last sync (`GlooWeightTransferEngine.seconds`)."""
-        return dict(self.weight_transfer_engine.seconds)
-
-    def time_vllm_reload(self, payload: str) -> dict:
-        """Seconds of vLLM's own reload of tensors already in this process, outside the protocol: random
-        tensors of the JSON `payload`'s names, dtypes and shapes (a sync's update_info) loaded with
-        `load_weights` inside the layerwise reload, which a sync needs too (it re-runs each layer's
-        CPU GEMM packing: without it the packed copies keep the old weights). Leaves the server holding
-        those random weights: sync after it."""
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import (
-            finalize_layerwise_reload,
-            initialize_layerwise_reload,
-        )
-
-        info = json.loads(payload)
-        tensors = [
-            (name, torch.randn(shape).to(getattr(torch, dtype)) * 0.02)
-            for name, dtype, shape in zip(info["names"], info["dtype_names"], info["shapes"])
-        ]
-        engine = self.weight_transfer_engine
-        with set_current_vllm_config(self.vllm_config):
-            t0 = time.perf_counter()
-            initialize_layerwise_reload(engine.model)
-            t1 = time.perf_counter()
-            engine.model.load_weights(iter(tensors))
-            t2 = time.perf_counter()
-            finalize_layerwise_reload(engine.model, engine.model_config)
-            _repack_cpu_embedding_gemms(engine.model)
-            t3 = time.perf_counter()
-        return {"start": t1 - t0, "load": t2 - t1, "finish": t3 - t2, "total": t3 - t0}
-
-
-# ---------------------------------------------------------------------------------------------------
 # TRAINER SIDE
 # ---------------------------------------------------------------------------------------------------
 
@@ -374,6 +148,13 @@ def _reset_kv(url: str, path: str, body: dict | None, timeout_s: float) -> dict:
     answer = post(url, path, body, timeout_s)
     if not answer.get("success"):  # blocks still held (vLLM: a remote KV transfer in flight)
         raise RuntimeError(f"vLLM did not reset its KV cache: {answer}")
+    return answer
+
+
+def _resume(url: str, path: str, body: dict | None, timeout_s: float) -> dict:
+    answer = post(url, path, body, timeout_s)
+    if answer.get("status") != "awake":  # still asleep at another level (a shared server put to sleep)
+        raise RuntimeError(f"vLLM did not wake up: {answer}")
     return answer
 
 
@@ -403,19 +184,44 @@ def _collect(urls: list[str], futures: list, timeout_s: float) -> dict[str, str]
 _DONE = object()
 
 
-def _feed(consume, items: Iterator, timeout_s: float, what: str) -> None:
+# THE HAND-OFF (GPU): a tensor drawn on the feeding thread (an FSDP gather, the cast to the send dtype) is
+# only queued on that thread's current stream when it is handed over; the sending thread reads it on
+# another stream (vLLM's producer packs on side streams of its own), and threads do not order streams. So
+# each tensor travels with a CUDA event recorded on the stream that produced it (`_produced`); the thread
+# that takes it makes its current stream (the one that reads it: vLLM's pack) wait on that event, and
+# `record_stream`s the tensor on it so the caching allocator does not give its memory to the next cast
+# before that stream has read it (`_taken`). No host synchronize: the next gathers overlap these sends.
+def _produced(t: torch.Tensor) -> "torch.cuda.Event | None":
+    if not t.is_cuda:
+        return None  # CPU tensors (gloo) are ready when drawn
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(t.device))
+    return event
+
+
+def _taken(feed: queue.Queue) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, t, event in iter(feed.get, _DONE):
+        if event is not None:
+            reader = torch.cuda.current_stream(t.device)  # the consumer's, when it takes the tensor
+            reader.wait_event(event)
+            t.record_stream(reader)
+        yield name, t
+
+
+def _feed(consume, items: Iterator[tuple[str, torch.Tensor]], timeout_s: float, what: str) -> None:
     """Run `consume(iterator)` on a daemon thread (an NCCL send, which has no timeout of its own) and
-    feed it `items` from this thread through a bounded queue. Every item is drawn here, whatever becomes
-    of the consumer: drawing one is an FSDP gather, a collective the other ranks make too, so a send that
-    stops (a peer died mid-broadcast) never leaves them waiting on gathers rank 0 did not make. Items the
-    consumer does not take by the deadline are dropped; then TimeoutError (or the consumer's own error)
-    is raised. A stuck thread is left behind (destroying its communicator ends it)."""
+    feed it the (name, tensor) `items` from this thread through a bounded queue, each stream-ordered as
+    said above. Every item is drawn here, whatever becomes of the consumer: drawing one is an FSDP
+    gather, a collective the other ranks make too, so a send that stops (a peer died mid-broadcast)
+    never leaves them waiting on gathers rank 0 did not make. Items the consumer does not take by the
+    deadline are dropped; then TimeoutError (or the consumer's own error) is raised. A stuck thread is
+    left behind (destroying its communicator ends it)."""
     feed: queue.Queue = queue.Queue(maxsize=2)
     result: dict = {}
 
     def target() -> None:
         try:
-            consume(iter(feed.get, _DONE))
+            consume(_taken(feed))
         except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
             result["error"] = e
 
@@ -424,9 +230,10 @@ def _feed(consume, items: Iterator, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     taking = True  # the consumer is alive and within the deadline
     for item in _then_done(items):
+        handed = item if item is _DONE else (*item, _produced(item[1]))  # the event right after the draw
         while taking:
             try:
-                feed.put(item, timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+                feed.put(handed, timeout=max(0.0, min(0.5, deadline - time.monotonic())))
                 break
             except queue.Full:
                 taking = thread.is_alive() and time.monotonic() < deadline
@@ -466,6 +273,7 @@ class WeightSyncer:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         send_dtype: torch.dtype | None = None,
         rank: int = 0,
+        startup_timeout_s: float = 600.0,
     ):
         assert backend in ("gloo", "nccl"), backend
         self.urls = [u.rstrip("/") for u in urls]  # every server of the run, in step or not
@@ -487,6 +295,11 @@ class WeightSyncer:
         # consumer (no timeout) for the rest of it, so only a restart frees them (`relaunch_exited`'s
         # `stuck`; --vllm-url: whoever runs them). Not re-joined until they report a fresh start.
         self.stuck: set[str] = set()
+        # Stuck servers restarted (`to_restart`) and not yet answering as fresh: url -> the monotonic time
+        # after which a start-up that never answered is tried again. Left out of joins meanwhile.
+        self.restarting: dict[str, float] = {}
+        self.startup_timeout_s = startup_timeout_s
+        self.taken_out: dict[str, str] = {}  # url -> why it left the run (`take_out`); not in `urls`
         self.stores: dict = {}  # gloo group -> its TCPStore, which must outlive it
         self.phase_seconds: dict[str, float] = {}  # the last sync's, by phase (bench_weight_sync.py)
 
@@ -506,6 +319,14 @@ class WeightSyncer:
 
         if self.backend == "nccl":
             urls = self.urls
+        # A stuck server waits inside the receive and a restarting one is not up: both still answer (or
+        # will) /get_world_size, and a group formed with them waits for them to its timeout.
+        self._release([u for u in urls if u in self.stuck or u in self.restarting])
+        urls = [u for u in urls if u not in self.stuck and u not in self.restarting]
+        # A failed server may hold an update our side gave up on but its side began (/start_weight_update
+        # timed out here, completed there): every later /start_weight_update would fail "already active".
+        failed = [u for u in urls if u in self.failed]
+        _call_all(failed, "/finish_weight_update", [None] * len(failed), self.http_timeout_s)  # errors: none
         sizes, dead = {}, {}
         for u in urls:
             try:
@@ -584,12 +405,48 @@ class WeightSyncer:
                     tag = json.loads(r.read())["weight_version"]
             except Exception:  # noqa: BLE001 - not answering (yet)
                 continue
-            if u in self.stuck and tag != "default":
-                continue  # still inside the receive: a join would wait on it in vain
+            if (u in self.stuck or u in self.restarting) and tag != "default":
+                continue  # still inside the receive (or its restart not up yet): a join would wait in vain
             self.stuck.discard(u)
+            self.restarting.pop(u, None)
             if u not in self.groups or u in self.failed or tag != str(self.version):
                 stale.append(u)
         return stale
+
+    def to_restart(self) -> list[str]:
+        """Stuck servers to restart now (`vllm_server.relaunch_exited`): each once, then again only if it
+        has not answered as a fresh server within `startup_timeout_s` (a vLLM start-up takes 10 s to
+        minutes, far longer than the heal interval). They are *restarting* from now on."""
+        now = time.monotonic()
+        due = [u for u in sorted(self.stuck) if self.restarting.get(u, now) <= now]
+        self.restarting.update({u: now + self.startup_timeout_s for u in due})
+        return due
+
+    def take_out(self, url: str, why: str) -> None:
+        """`url` leaves the run: no more syncs, joins nor heals. Its group is released (nccl: the one
+        communicator, which it is in, and the others re-join a new one without it, or the next broadcast
+        would wait for it; gloo: its own group and store), its version tag made one that is never the
+        trainer's, so the rollout client never routes to it again, and its requests aborted."""
+        self.urls.remove(url)
+        self.taken_out[url] = why
+        self.failed.pop(url, None)
+        self.stuck.discard(url)
+        self.restarting.pop(url, None)
+        members = [u for u in self.urls if u in self.groups]
+        self._release([url] + (members if self.backend == "nccl" else []))
+        for path, body in (
+            ("/update_weight_version", {"new_version": "out-of-step"}),
+            ("/pause?mode=abort", None),
+        ):
+            try:
+                post(url, path, body, self.http_timeout_s)
+            except Exception:  # noqa: BLE001 - a dead server is out of routing already
+                pass
+        if self.backend == "nccl" and members:
+            try:
+                self.join(members)  # they need the weights again: `out_of_step` names them
+            except WeightSyncError as e:  # those that answered have joined; heal retries the others
+                print(f"weight-transfer group after taking {url} out: {e}", file=sys.stderr, flush=True)
 
     def rejoin(self) -> list[str]:
         """Give each server that is out of step (restarted, or failed a sync) and answers a new transfer
@@ -708,7 +565,7 @@ class WeightSyncer:
         drop(_collect(receiving, futures, self.transfer_timeout_s), "update_weights")
         self.phase_seconds["update_weights"] = time.perf_counter() - t_send
         phase("/finish_weight_update", {"weight_version": str(version)})  # tagged only once it finished
-        phase("/wake_up?tags=scheduling", name="resume")  # ends the level-0 sleep: vLLM's /resume
+        phase("/wake_up?tags=scheduling", name="resume", call=_resume)  # ends the level-0 sleep: /resume
         seconds = time.perf_counter() - t0
         self.version = version  # what the trainer's weights are now, whoever received them
         for u in ok:
@@ -808,11 +665,9 @@ class WeightSyncer:
         """vLLM's packed producer over the one communicator, on a thread we stop waiting for (an NCCL
         broadcast to a dead peer has no timeout of its own), fed by the gathers on this thread (`_feed`)."""
         on_gpu = torch.cuda.is_available()
-        if on_gpu:
-            device = torch.cuda.current_device()
-            # The producer reads the weights on side streams that do not wait for the stream the
-            # optimizer step ran on: let that step finish first.
-            torch.cuda.synchronize(device)
+        # No synchronize first: each tensor's event (`_feed`) also orders its read after the optimizer
+        # step and the gather queued before it on this thread's stream.
+        device = torch.cuda.current_device() if on_gpu else None
 
         def send(items: Iterator) -> None:
             if on_gpu:

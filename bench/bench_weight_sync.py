@@ -6,7 +6,7 @@ Syncs the trainer's weights into the server `--syncs` times (gloo on CPU, NCCL o
 the median sync seconds beside two yardsticks:
 - raw: a gloo broadcast of the same bytes between two bare local processes (`raw_gloo_broadcaster`);
 - bound: raw plus vLLM's own reload of the same tensors inside the server's worker, with no transport
-  and no HTTP (`weight_sync.GlooWorkerExtension.time_vllm_reload`, through `/collective_rpc`): the
+  and no HTTP (`weight_sync_server.GlooWorkerExtension.time_vllm_reload`, through `/collective_rpc`): the
   layerwise reload's start, `load_weights`, and its finish (each layer's CPU GEMM re-packing, which a
   sync cannot skip: the packed copies are what the server computes with). Overlapping the two can
   beat this bound; the protocol's round trips (pause, KV reset, start, finish, resume) are outside it.

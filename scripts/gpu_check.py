@@ -203,6 +203,16 @@ def check_fsdp(config, device, seqs, budget) -> None:
         dist.destroy_process_group()
 
 
+EDGE_TOKENS = 24  # completion tokens per sequence of check 5 (one forward each, to find its edge token)
+
+
+def shorten(seq: dict, completion_tokens: int) -> dict:
+    """`seq` with its whole prompt and its first `completion_tokens` completion tokens: every per-token
+    field cut alike (a cut inside the prompt would leave no completion, one of `ids` alone a ragged row)."""
+    end = seq["mask"].index(1) + completion_tokens
+    return {**seq, "ids": seq["ids"][:end], "mask": seq["mask"][:end], "behaviour": seq["behaviour"][:end]}
+
+
 @torch.no_grad()
 def nucleus_edge(model, seqs: list[dict], sampling: Sampling, device) -> list[dict]:
     """`seqs` with each completion token replaced, left to right, by the least likely token the fp32
@@ -224,12 +234,7 @@ def check_truncation(config, device, seqs, budget) -> None:
     args.top_k, args.top_p, args.temperature = 50, 0.9, 1.0
     sampling = Sampling(args.temperature, args.top_p, args.top_k)
     model = build_model(config, device)
-    edge = nucleus_edge(
-        model.eval(),
-        [{**q, "ids": q["ids"][:40], "mask": q["mask"][:40]} for q in seqs[:4]],
-        sampling,
-        device,
-    )
+    edge = nucleus_edge(model.eval(), [shorten(q, EDGE_TOKENS) for q in seqs[:4]], sampling, device)
     mb = collate(edge, device)
     with torch.no_grad():
         lp, _ = token_logprobs(model, mb["input_ids"], mb["position_ids"], sampling, bf16=True)

@@ -394,3 +394,34 @@ def test_own_server_relaunched_and_sigkill_of_the_trainer_leaves_no_orphans(tmp_
             pass
     assert not left, f"processes outlived the killed trainer: {left}"
     assert len(tree) >= 2  # it did start a server (and its watchdog)
+
+
+@pytest.mark.parametrize(
+    "exc, saved, released",
+    [
+        (None, True, True),  # max_steps reached
+        (KeyboardInterrupt(), True, True),
+        (BatchTimeout("no batch"), True, True),
+        ("NonFiniteWeights", False, True),  # every rank raised it after the step: released, not saved
+        (RuntimeError("mid-step"), False, False),  # maybe inside a collective: neither
+    ],
+)
+def test_shutdown_acts_on_the_exception_main_passes(monkeypatch, tmp_path, exc, saved, released):
+    """main() hands shutdown the exception that ended the run; in its `finally`, sys.exc_info() is None
+    for every exception an `except` clause handled. The other FSDP ranks are released (a stop message)
+    whenever they wait for one, and the weights saved only when they are whole and finite."""
+    import train_async_grpo as T
+
+    if exc == "NonFiniteWeights":
+        exc = T.NonFiniteWeights("model.norm.weight is non-finite after the AdamW step")
+    events = []
+    monkeypatch.setattr(T, "save", lambda run: events.append("saved") or tmp_path)
+    monkeypatch.setattr(T, "broadcast_message", lambda msg, world: events.append(msg))
+    monkeypatch.setattr(T.dist, "destroy_process_group", lambda: None)
+    run = T.Run(
+        SimpleNamespace(), tmp_path, None, None, None, None, world_size=2, step=3, version=3, position=None,
+        stop_flag={}, last_saved=2, metrics_file=open(tmp_path / "m", "w"),
+        completions_file=open(tmp_path / "c", "w"),
+    )  # fmt: skip
+    T.shutdown(run, exc)
+    assert ("saved" in events) == saved and ({"stop": True} in events) == released, events

@@ -105,10 +105,10 @@ def test_per_sync_check_resyncs_a_server_given_other_weights_and_takes_out_one_t
 
     sampled = []  # (url, start, end) of each sample call
 
-    def sample(url: str, bare: bool):
+    def sample(url: str, bare: bool, seed: int = 0):
         t0 = time.monotonic()
         try:
-            return probe(url, str(served_model), prompts, Sampling(0.7), 0, bare)
+            return probe(url, str(served_model), prompts, Sampling(0.7), seed, bare)
         finally:
             sampled.append((url, t0, time.monotonic()))
 
@@ -167,9 +167,98 @@ def test_per_sync_check_resyncs_a_server_given_other_weights_and_takes_out_one_t
     (_, start_a, end_a), (_, start_b, end_b) = sorted(sampled[:2], key=lambda x: x[1])
     assert {u for u, *_ in sampled[:2]} == {good.url, raw.url} and start_b < end_a, sampled
     assert metrics["fidelity/max_abs_diff"] < 1e-3  # the re-synced one, in step again
-    assert run.servers_out == [raw.url] and run.syncer.urls == [good.url]
+    assert list(run.syncer.taken_out) == [raw.url] and run.syncer.urls == [good.url]
     assert f"{good.url} samples from another distribution" in err and "re-syncing it" in err
     assert len([x for x in err.splitlines() if f"{raw.url} taken out of routing" in x]) == 1
     assert _weight_version(good.url) == "1" and _weight_version(raw.url) == "out-of-step"
     assert client.down == {raw.url}, "the server that stays out is still routed to"
     assert failures and "went away mid-rollout" in failures[-1]
+
+
+def test_vllm_minus_9999_is_read_as_minus_inf():
+    """vLLM's OpenAI server sends a −inf logprob as −9999.0 (JSON has no −inf): a top-20 token outside its
+    truncated set. Where the trainer's top-p boundary falls one token further (near-uniform logits, bf16)
+    that token is a truncation boundary, skipped like any −inf, not a gap of ~1e4 nats. The response is
+    built by vLLM's own serializer and parsed by the rollout client, as in a probe."""
+    import types
+
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    from vllm.logprobs import Logprob
+
+    from sampling import ProbeSample, check_fidelity
+
+    serving = types.SimpleNamespace(  # the two attributes the serializer reads of its server
+        return_tokens_as_token_ids=True, _get_decoded_token=OpenAIServingCompletion._get_decoded_token
+    )
+    # One sampled token (5); its top-3: token 9 is outside vLLM's top-p set.
+    top = [{5: Logprob(-0.1, 1), 7: Logprob(-2.4, 2), 9: Logprob(float("-inf"), 3)}]
+    encoded = OpenAIServingCompletion._create_completion_logprobs(
+        serving, [5], top, 3, None, return_as_token_id=True
+    )
+    choice = {"token_ids": [5], "logprobs": json.loads(encoded.model_dump_json())}  # over the wire
+    gen = VLLMClient(["http://server"], "m")._to_generation("http://server", choice, with_top=True)
+    assert gen.top == [{5: -0.1, 7: -2.4, 9: -9999.0}]  # vLLM's encoding, as the client reads it
+    sample = ProbeSample([1, 2], gen.ids, gen.logprobs, Sampling(top_p=0.9), gen.top)
+    scored = ([-0.1], [[-0.1, -2.4, -7.0]])  # the trainer keeps token 9 (its boundary is one further)
+    gaps = check_fidelity("http://server", {"run": [sample]}, {"run": [scored]}, low_precision=False)
+    assert gaps["fidelity/max_abs_diff"] < 1e-9 and gaps["fidelity/top_rms_diff"] < 1e-9, gaps
+
+
+def _as_served(model, prompts: list[list[int]], n_tokens: int, sampling: Sampling) -> list:
+    """ProbeSamples as a server holding `model`'s weights returns them: greedy completions with their
+    processed logprobs and each position's TOP_N (vLLM's fp32 logprobs equal a transformers forward to
+    1e-5: README's fidelity section)."""
+    from sampling import TOP_N, ProbeSample, processed_logits
+
+    samples = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            ids = model.generate(ids, max_new_tokens=n_tokens, min_new_tokens=n_tokens, do_sample=False)
+            logits = model(input_ids=ids, use_cache=False).logits[0, len(p) - 1 : -1]
+        lp = torch.log_softmax(processed_logits(logits, sampling), -1)
+        completion = ids[0, len(p) :].tolist()
+        top = [dict(zip(*(x.tolist() for x in reversed(row.topk(TOP_N))))) for row in lp]
+        behaviour = lp.gather(1, ids[0, len(p) :, None])[:, 0].tolist()
+        samples.append(ProbeSample(p, completion, behaviour, sampling, top))
+    return samples
+
+
+def test_a_server_one_adamw_step_behind_is_refused_in_fp32(tiny_model):
+    """The fp32 bound (1e-3) against a realistic fault between it and ten times it: a server that missed
+    one AdamW step at lr 3e-6 (a lost sync) samples with logprobs 3.8e-3 off at most (the random tiny
+    model; its noise in fp32 is ~1e-6). A bound loosened to 1e-2 lets it through."""
+    from sampling import FP32_MAX_ABS_DIFF, check_fidelity, rescore
+
+    torch.manual_seed(0)
+    stale = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    trainer = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    ids = torch.randint(0, 500, (4, 24))
+    loss = -torch.log_softmax(trainer(input_ids=ids).logits[:, :-1], -1).gather(2, ids[:, 1:, None]).mean()
+    loss.backward()
+    torch.optim.AdamW(trainer.parameters(), lr=3e-6, weight_decay=0.0).step()
+    sampling = Sampling()
+    samples = _as_served(stale, [ids[k, :8].tolist() for k in range(4)], 16, sampling)
+    scored = rescore(trainer, samples, torch.device("cpu"), bf16=False)
+    own = rescore(stale, samples, torch.device("cpu"), bf16=False)
+    check_fidelity("http://stale", {"run": samples}, {"run": own}, low_precision=False)  # its own: passes
+    with pytest.raises(FidelityError) as e:
+        check_fidelity("http://stale", {"run": samples}, {"run": scored}, low_precision=False)
+    gap = float(str(e.value).split("max |Δ logprob| ")[1].split()[0])
+    assert FP32_MAX_ABS_DIFF < gap < 10 * FP32_MAX_ABS_DIFF, gap  # the fault sits between the two bounds
+
+
+def test_a_top_n_entry_that_differs_is_refused_when_the_sampled_tokens_agree(tiny_model):
+    """A peaked model samples its top token, whose logprob barely moves when the server's tail differs (a
+    penalty, another temperature): the max covers each position's TOP_N too. Here every sampled token's
+    logprob agrees exactly and one TOP_N entry is 0.01 nats off."""
+    from sampling import check_fidelity, rescore
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    samples = _as_served(model, [[1, 2, 3, 4, 5, 6]], 8, Sampling())
+    scored = rescore(model, samples, torch.device("cpu"), bf16=False)
+    check_fidelity("http://s", {"run": samples}, {"run": scored}, low_precision=False)
+    lp, top = scored[0]
+    top[3][-1] -= 0.01  # the last (least likely) of position 3's TOP_N
+    with pytest.raises(FidelityError, match="max \\|Δ logprob\\| 0.01"):
+        check_fidelity("http://s", {"run": samples}, {"run": [(lp, top)]}, low_precision=False)

@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from batches import PER_SEQUENCE_SDPA, collate, packed_attention, sequence_lengths
+import batches
+from batches import PACKED_VARLEN, PER_SEQUENCE_SDPA, collate, packed_attention, sequence_lengths
 from sampling import Sampling, token_logprobs
 from trainer import load_models
 
@@ -41,12 +42,13 @@ def models(tiny_model):
     return packed, plain
 
 
-def _alone(model, seqs, sampling: Sampling, bf16: bool = False) -> torch.Tensor:
+def _alone(model, seqs, sampling: Sampling, bf16: bool = False, device="cpu") -> torch.Tensor:
     """Logprobs of each sequence in a forward of its own (no packing at all), concatenated."""
     out = []
     for s in seqs:
-        ids = torch.tensor(s["ids"])[None]
-        lp, _ = token_logprobs(model, ids, torch.arange(ids.shape[1])[None], sampling, bf16=bf16)
+        ids = torch.tensor(s["ids"], device=device)[None]
+        positions = torch.arange(ids.shape[1], device=device)[None]
+        lp, _ = token_logprobs(model, ids, positions, sampling, bf16=bf16)
         out.append(lp)
     return torch.cat(out)
 
@@ -112,17 +114,67 @@ def test_a_batch_of_rows_is_refused_in_one_line(models):
 
 
 def test_the_trainer_loads_the_packed_attention_and_names_it(tiny_model, capsys):
-    args = SimpleNamespace(model=str(tiny_model), kl_beta=0.1, compute_dtype="fp32")
+    args = SimpleNamespace(
+        model=str(tiny_model), kl_beta=0.1, compute_dtype="fp32", gradient_checkpointing="auto",
+        micro_batch_tokens=4096,
+    )  # fmt: skip
     model, ref_model, _ = load_models(args, None, torch.device("cpu"), world_size=1)
     assert model.config._attn_implementation == ref_model.config._attn_implementation == PER_SEQUENCE_SDPA
     assert f"trainer attention: {PER_SEQUENCE_SDPA}" in capsys.readouterr().out
 
 
-def test_flash_attention_only_for_bf16_on_gpu_when_it_imports(monkeypatch):
-    """No GPU here: the choice alone, with an importable stand-in for `flash_attn`."""
+def test_varlen_flash_attention_only_for_bf16_on_gpu(monkeypatch):
+    """No GPU needed: the choice alone. torch's varlen attention where this torch has it, else
+    flash-attention 2 when it imports (a stand-in module here), else per-sequence sdpa."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert batches.TORCH_VARLEN  # torch 2.13 has it
+    assert packed_attention(cuda, "bf16") == PACKED_VARLEN
+    assert packed_attention(cuda, "fp32") == PER_SEQUENCE_SDPA  # flash kernels have no fp32
+    assert packed_attention(cpu, "bf16") == PER_SEQUENCE_SDPA
+    monkeypatch.setattr(batches, "TORCH_VARLEN", False)
     assert packed_attention(cuda, "bf16") == PER_SEQUENCE_SDPA  # flash_attn is not installed here
     monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
     assert packed_attention(cuda, "bf16") == "flash_attention_2"
-    assert packed_attention(cuda, "fp32") == PER_SEQUENCE_SDPA  # flash-attention has no fp32 kernels
     assert packed_attention(cpu, "bf16") == PER_SEQUENCE_SDPA
+
+
+def test_collate_gives_the_boundaries_from_the_host_lengths():
+    seqs = _seqs(LENGTHS)
+    seqs[1]["trace"] = 0  # a traced sequence: every token but its first is scored
+    mb = collate(seqs, "cpu")
+    assert mb["attention"]["seq_lengths"] == LENGTHS
+    assert mb["attention"]["cu_seq_lens_q"].tolist() == [0, 14, 21, 61, 65, 84]
+    assert mb["attention"]["max_length_q"] == 40
+    assert sequence_lengths(mb["position_ids"]) == LENGTHS  # the same as the restarts say
+    expected = [j for j in range(1, 84) if mb["loss_mask"][j] or 14 < j < 21]
+    assert mb["positions"].tolist() == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch's varlen flash attention)")
+def test_varlen_logprobs_and_gradients_equal_one_sequence_at_a_time_on_gpu(tiny_model):
+    """The packed row through packed_varlen (bf16, one kernel) against each sequence alone through
+    transformers' sdpa, both under bf16 autocast: logprobs within the bf16 bound of
+    test_packed_bf16_logprobs_match_fp32_one_sequence_at_a_time (0.02 nats); gradients within bf16's
+    relative rounding (2^-8 per operand, a few ulps through the layers: rtol 0.05 of the largest)."""
+    cuda = torch.device("cuda")
+    attn = packed_attention(cuda, "bf16")
+    assert attn == PACKED_VARLEN
+    load = lambda impl: AutoModelForCausalLM.from_pretrained(  # noqa: E731
+        tiny_model, dtype=torch.float32, attn_implementation=impl
+    ).to(cuda)
+    packed, plain = load(attn), load("sdpa")
+    seqs = _seqs(LENGTHS, seed=3)
+    mb = collate(seqs, cuda)
+    weights = torch.linspace(-1.0, 1.0, mb["input_ids"].shape[1], device=cuda) * mb["loss_mask"]
+    lp, _ = token_logprobs(
+        packed, mb["input_ids"], mb["position_ids"], Sampling(0.9), bf16=True, attention=mb["attention"]
+    )
+    alone = _alone(plain, seqs, Sampling(0.9), bf16=True, device=cuda)
+    mask = mb["loss_mask"].bool()
+    torch.testing.assert_close(lp[mask], alone[mask], atol=0.02, rtol=0)
+    (lp * weights).sum().backward()
+    (alone * weights).sum().backward()
+    for (name, p), q in zip(packed.named_parameters(), plain.parameters()):
+        scale = q.grad.abs().max()
+        assert (p.grad - q.grad).abs().max() <= 0.05 * scale + 1e-6, name

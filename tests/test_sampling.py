@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import side_by_side
+from transformers import AutoModelForCausalLM
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
 from rollout import VLLMClient, probe
@@ -22,6 +23,8 @@ from sampling import (
     processed_logits,
     request_seed,
     rescore,
+    streamed_logprobs,
+    token_logprobs,
     token_logprobs_and_entropy,
     verify_server,
 )
@@ -75,6 +78,148 @@ def test_truncated_logprobs_are_differentiable_in_the_kept_logits():
     lp, _ = token_logprobs_and_entropy(logits, targets, Sampling(1.0, top_k=5))
     lp.sum().backward()
     assert torch.isfinite(logits.grad).all() and (logits.grad != 0).sum(-1).max() <= 5
+
+
+# ---------------------------------------------------------------------------------------------------
+# the streamed head (sampling.streamed_logprobs / token_logprobs) is the full-logits path, chunked
+# ---------------------------------------------------------------------------------------------------
+HEAD_SAMPLINGS = [Sampling(1.0), Sampling(0.7, top_k=20), Sampling(0.9, top_p=0.8), Sampling(0.8, 0.9, 20)]
+F32 = torch.finfo(torch.float32).eps
+
+
+def _head_case(seed: int = 0, n: int = 300, hidden: int = 24, vocab: int = 1000):
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hidden, generator=gen, dtype=torch.float64)
+    w = torch.randn(vocab, hidden, generator=gen, dtype=torch.float64) * 0.6  # logits ~3: top-p cuts deep
+    targets = torch.randint(0, vocab, (n,), generator=gen)
+    targets[::3] = (h @ w.T).argmax(-1)[::3]  # sampled-like tokens too, in every kept set
+    weights = torch.randn(n, generator=gen, dtype=torch.float64)  # d loss / d logprob, one per row
+    return h, w, targets, weights
+
+
+def _full_path(h, w, targets, sampling, weights):
+    """Today's path: the (N, V) logits, then token_logprobs_and_entropy; (logprobs, entropy, grads)."""
+    h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    lp, ent = token_logprobs_and_entropy(h @ w.T, targets, sampling, with_entropy=True)
+    (lp * weights.to(lp.dtype)).sum().backward()
+    return lp.detach(), ent, h.grad, w.grad
+
+
+def _streamed(h, w, targets, sampling, weights, chunk_logits: int, bf16: bool = False):
+    h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    lp, ent = streamed_logprobs(
+        h, w, targets, sampling, with_entropy=True, bf16=bf16, chunk_logits=chunk_logits
+    )
+    (lp * weights.to(lp.dtype)).sum().backward()
+    return lp.detach(), ent, h.grad, w.grad
+
+
+@pytest.mark.parametrize("sampling", HEAD_SAMPLINGS, ids=str)
+def test_streamed_head_equals_the_full_logits_path_in_fp32(sampling):
+    """Logprobs, entropy and both gradients, in chunks of 7 rows, equal the full-logits path: each is
+    within 8× the full path's own fp32 distance from the float64 result (and 8 ulps of the scale), the
+    bound of test_train.py's _fp32_noise_bound: another summation order is another draw of the rounding."""
+    h64, w64, targets, weights = _head_case()
+    ref = _full_path(h64, w64, targets, sampling, weights)
+    full = _full_path(h64.float(), w64.float(), targets, sampling, weights)
+    streamed = _streamed(h64.float(), w64.float(), targets, sampling, weights, chunk_logits=7 * 1000)
+    for name, r, f, s in zip(["logprobs", "entropy", "grad hidden", "grad weight"], ref, full, streamed):
+        bound = 8 * max((f.double() - r).abs().max().item(), F32 * r.abs().max().item())
+        assert (s.double() - r).abs().max().item() <= bound, name
+    if sampling.truncates:  # the truncation is real
+        assert torch.isinf(processed_logits(h64 @ w64.T, sampling)).float().mean() > 0.5
+
+
+@pytest.mark.parametrize("sampling", HEAD_SAMPLINGS, ids=str)
+def test_streamed_head_in_bf16_is_within_the_bf16_bound(sampling):
+    """bf16 matmul (both operands rounded: 2^-9 relative each; the product accumulates in fp32 and is
+    rounded once more, 2^-9 of |logit|): each logit moves by at most 2^-8 Σ|h||w| + 2^-9 |logit|, so a
+    logprob (its logit minus a logsumexp) by at most twice the largest such move, over the temperature."""
+    h64, w64, targets, weights = _head_case(seed=1)
+    ref, _, _, _ = _full_path(h64, w64, targets, sampling, weights)
+    lp, ent, gh, gw = _streamed(h64.float(), w64.float(), targets, sampling, weights, 7 * 1000, bf16=True)
+    moves = 2**-8 * (h64.abs() @ w64.abs().T) + 2**-9 * (h64 @ w64.T).abs()
+    bound = 2 * moves.max().item() / sampling.temperature
+    err = (lp.double() - ref).abs().max().item()
+    assert 0 < err <= bound, (err, bound)  # 0 <: the bf16 matmuls did run
+    assert torch.isfinite(ent).all() and torch.isfinite(gh).all() and torch.isfinite(gw).all()
+
+
+def test_streamed_head_never_holds_more_than_a_chunk_of_logits():
+    """Forward and backward: no op makes a tensor larger than one chunk of logits or than the inputs and
+    their gradients (the full path makes several (N, V) ones)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    Largest.largest = max(Largest.largest, t.numel())
+            return out
+
+    h, w, targets, weights = (
+        t.float() if t.is_floating_point() else t for t in _head_case(n=2000, hidden=16)
+    )
+    rows = 10
+    with Largest():
+        _streamed(h, w, targets, Sampling(0.8, top_p=0.9), weights, chunk_logits=rows * 1000)
+    assert Largest.largest <= max(rows * 1000, w.numel(), h.numel()) < len(h) * 1000
+
+
+def _old_token_logprobs(model, ids, sampling, bf16=False):
+    """The trainer's path before the streamed head: the model's (T, V) logits, then the processing."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
+    lp, ent = token_logprobs_and_entropy(logits, ids[0, 1:], sampling, with_entropy=True)
+    return torch.cat([lp.new_zeros(1), lp]), torch.cat([lp.new_zeros(1), ent])
+
+
+@pytest.mark.parametrize("model_name", ["tiny", "tiny-tied"])
+@pytest.mark.parametrize("sampling", [Sampling(0.8), Sampling(0.9, top_p=0.8, top_k=30)], ids=str)
+def test_token_logprobs_equal_the_full_logits_path_with_and_without_tied_embeddings(model_name, sampling):
+    """Through a real model (tiny-tied: the LM head is the embedding, so both gradients land on one
+    weight): logprobs at the asked positions (others 0, never computed), entropy, and every weight's
+    gradient, within 8× the old path's fp32 distance from a float64 copy of the model."""
+    path = Path(__file__).resolve().parent.parent / "models" / model_name
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 500, (1, 40), generator=gen)
+    positions = torch.tensor([*range(8, 20), *range(25, 40)])  # two completions; prompt tokens skipped
+    on = torch.zeros(40, dtype=torch.bool)
+    on[positions] = True
+    weights = torch.randn(40, generator=gen, dtype=torch.float64) * on
+    results = []
+    for dtype, new in [(torch.float64, False), (torch.float32, False), (torch.float32, True)]:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+        if new:
+            lp, ent = token_logprobs(model, ids, torch.arange(40)[None], sampling, True, positions=positions)
+            assert (lp[~on] == 0).all() and (ent[~on] == 0).all()
+        else:
+            lp, ent = _old_token_logprobs(model, ids, sampling)
+        (lp * weights.to(dtype)).sum().backward()
+        grads = [p.grad.double() for p in model.parameters()]
+        results.append([lp[on].detach().double(), ent[on].double(), *grads])
+    if model_name == "tiny-tied":
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    ref, full, streamed = results
+    for k, (r, f, s) in enumerate(zip(ref, full, streamed)):
+        bound = 8 * max((f - r).abs().max().item(), F32 * r.abs().max().item())
+        assert (s - r).abs().max().item() <= bound, k
+
+
+def test_token_logprobs_in_bf16_equal_the_full_logits_path_under_autocast():
+    """The same model under bf16 autocast, old and new: the same bf16 matmuls, so the logprobs agree far
+    inside the bf16 bound (0.02 nats, test_train.py::test_bf16_compute_logprobs_match_fp32)."""
+    model = AutoModelForCausalLM.from_pretrained(REPO / "models" / "tiny", dtype=torch.float32)
+    ids = torch.randint(0, 500, (1, 40), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        new, _ = token_logprobs(model, ids, torch.arange(40)[None], Sampling(0.8), bf16=True)
+        old, _ = _old_token_logprobs(model, ids, Sampling(0.8), bf16=True)
+        fp32, _ = _old_token_logprobs(model, ids, Sampling(0.8))
+    assert not torch.equal(new, fp32)  # bf16 did run
+    torch.testing.assert_close(new, old, atol=0.02, rtol=0)
 
 
 def test_request_seeds_are_distinct_and_stable():

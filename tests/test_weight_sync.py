@@ -7,11 +7,13 @@ twice, the tied model, a server dead before a sync (the tied one), two servers, 
 mid-sync and restarted. At most two servers are up at a time.
 """
 
+import os
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -251,7 +253,7 @@ def test_a_request_running_through_a_sync_goes_on_from_the_new_weights_alone(ser
 
 def test_sync_tied_embeddings(server_tied):
     # vLLM's CPU backend pre-packs the lm_head GEMM at load; a tied lm_head receives no weight of its
-    # own in a sync, so without `_repack_cpu_embedding_gemms` its logits come from the old embedding.
+    # own in a sync, so without `weight_sync_server._repack_cpu_embedding_gemms` its logits come from the old embedding.
     model = load_trainer_model("tiny-tied")
     assert model.config.tie_word_embeddings
     assert "lm_head.weight" not in dict(model.named_parameters())  # one shared tensor
@@ -376,6 +378,8 @@ class FakeServer:
         fake = self
         self.fail, self.calls, self.version, self.init_ports = fail, [], "default", []
         self.kv_reset = True  # what /reset_prefix_cache answers (vLLM: false while blocks are held)
+        self.sleeping = False  # /wake_up answers "sleeping" (put to sleep at another level by someone else)
+        self.down_until = 0.0  # monotonic time until which it is starting up: every route answers 503
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def log_message(self, *_):
@@ -389,6 +393,8 @@ class FakeServer:
                 self.wfile.write(data)
 
             def do_GET(self):
+                if time.monotonic() < fake.down_until:
+                    return self.answer({}, 503)
                 if self.path == "/get_world_size":
                     return self.answer({"world_size": 1})
                 if self.path == "/weight_info":
@@ -397,6 +403,8 @@ class FakeServer:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                if time.monotonic() < fake.down_until:
+                    return self.answer({}, 503)
                 fake.calls.append(self.path)
                 if self.path.startswith(fake.fail):
                     return self.answer({"error": "injected"}, 500)
@@ -406,6 +414,8 @@ class FakeServer:
                     fake.version = body["weight_version"]
                 if self.path.startswith("/reset_prefix_cache"):
                     return self.answer({"success": fake.kv_reset})
+                if self.path.startswith("/wake_up"):
+                    return self.answer({"status": "sleeping" if fake.sleeping else "awake"})
                 self.answer({})
 
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -686,3 +696,162 @@ def test_a_broadcast_that_hangs_mid_sync_leaves_every_fsdp_rank_in_step(tmp_path
     assert "NCCL broadcast did not finish within 5 s" in r["error"]
     assert r["left_after"] < 60 and r["destroyed"] == 1
     assert r["second"] and r["version"] == "2"
+
+
+# ---------------------------------------------------------------------------------------------------
+# EACH SERVER'S SYNC STATE, changed by WeightSyncer alone: the fault paths as they run in an outage
+# ---------------------------------------------------------------------------------------------------
+class LaunchedServer:
+    """vllm_server.VLLMServer's face to relaunch_exited: a restart makes the fake server a fresh one that
+    takes `start_s` to answer (a vLLM start-up: 10 s on CPU, minutes on GPU)."""
+
+    def __init__(self, fake: FakeServer, start_s: float):
+        self.fake, self.url, self.start_s, self.restarts = fake, fake.url, start_s, 0
+        self.proc = SimpleNamespace(pid=os.getpid(), returncode=None)
+
+    def alive(self) -> bool:
+        return True
+
+    def restart(self) -> None:
+        self.restarts += 1
+        self.fake.version, self.fake.init_ports = "default", []
+        self.fake.down_until = time.monotonic() + self.start_s
+
+
+def stuck_run(tmp_path, start_s: float):
+    """A run whose two nccl servers are stuck: a broadcast timed out mid-sync."""
+    import train_async_grpo as T
+
+    servers = [FakeServer(), FakeServer()]
+    syncer, comms = fake_syncer("nccl", servers)
+    syncer.startup_timeout_s = 30
+    model = torch.nn.Linear(2, 2)
+    syncer.init()
+    syncer.sync(model.named_parameters(), version=1)
+    working = syncer._nccl_broadcast
+
+    def hangs(group, tensors) -> None:
+        next(tensors)
+        raise TimeoutError("NCCL broadcast did not finish within 5 s")
+
+    syncer._nccl_broadcast = hangs
+    with pytest.raises(WeightSyncError):
+        syncer.sync(model.named_parameters(), version=2)
+    syncer._nccl_broadcast = working
+    launched = [LaunchedServer(s, start_s) for s in servers]
+    run = SimpleNamespace(servers=launched, out_dir=tmp_path, syncer=syncer, model=model, version=2,
+                          world_size=1)  # fmt: skip
+    (tmp_path / "vllm-logs").mkdir()
+    return T, run, servers, comms
+
+
+def test_heal_restarts_a_stuck_server_once_while_it_starts_up(tmp_path):
+    """heal runs every few seconds while the loop waits for a batch; a stuck server's restart takes
+    longer than that. It is restarted once, left out of every join while it starts (a group formed
+    with it would wait for it), and brought back with the current weights once it answers fresh.
+    (It was restarted on every heal, so no restarted server ever came back.)"""
+    T, run, servers, comms = stuck_run(tmp_path, start_s=1.5)
+    assert run.syncer.stuck == {s.url for s in servers}
+    deadline = time.monotonic() + 4
+    while time.monotonic() < deadline:
+        T.heal(run)
+        time.sleep(0.1)  # the heal interval, shorter than the start-up
+    assert [s.restarts for s in run.servers] == [1, 1]
+    assert [s.version for s in servers] == ["2", "2"] and run.syncer.stuck == set()
+    assert run.syncer.restarting == {} and comms[-1].broadcasts == 1
+
+
+def test_a_start_up_that_never_answers_is_restarted_after_the_start_up_timeout(tmp_path):
+    T, run, servers, _ = stuck_run(tmp_path, start_s=3600)
+    run.syncer.startup_timeout_s = 0.5
+    for _ in range(8):
+        T.heal(run)
+        time.sleep(0.1)
+    assert [s.restarts for s in run.servers] == [2, 2]
+
+
+def test_nccl_join_leaves_stuck_servers_out():
+    """A stuck server still answers /get_world_size; a communicator formed with it would wait for it."""
+    servers = [FakeServer(), FakeServer(), FakeServer()]
+    syncer, comms = fake_syncer("nccl", servers)
+    syncer.init()
+    syncer.stuck.add(servers[1].url)
+    syncer.join(syncer.urls)
+    assert comms[-1].members() == [servers[0], servers[2]] and servers[1].url not in syncer.groups
+    syncer.sync(counting_params(), version=1)
+    assert [s.version for s in servers] == ["1", "default", "1"]
+
+
+def test_a_failed_server_finishes_its_update_before_it_rejoins():
+    """/start_weight_update timed out on our side but may have begun on the server's: unless it is
+    finished, every later sync fails there ("already active")."""
+    servers = [FakeServer(), FakeServer(fail=("/start_weight_update",))]
+    syncer, _ = fake_syncer("gloo", servers)
+    syncer.init()
+    with pytest.raises(WeightSyncError):
+        syncer.sync(counting_params(), version=1)
+    servers[1].fail = ()
+    syncer.join(syncer.out_of_step())
+    last_start = max(i for i, c in enumerate(servers[1].calls) if c == "/start_weight_update")
+    after = servers[1].calls[last_start:]
+    assert "/finish_weight_update" in after
+    assert after.index("/finish_weight_update") < after.index("/init_weight_transfer_engine"), after
+
+
+def test_a_server_that_stays_asleep_fails_the_resume():
+    """/wake_up?tags=scheduling on a server put to sleep at another level answers "sleeping": its
+    requests would hang, so it fails the sync (in resume) instead of counting as resumed."""
+    servers = [FakeServer(), FakeServer()]
+    servers[1].sleeping = True
+    syncer, _ = fake_syncer("gloo", servers)
+    syncer.init()
+    with pytest.raises(WeightSyncError, match=f"{servers[1].url} failed in resume"):
+        syncer.sync(counting_params(), version=1)
+    assert servers[1].url in syncer.failed and servers[0].url not in syncer.failed
+
+
+def test_nccl_take_out_releases_the_communicator_and_rejoins_the_rest():
+    """A server taken out of the run leaves the one communicator too: otherwise the next broadcast
+    waits for it (300 s) and every survivor is marked stuck."""
+    servers = [FakeServer(), FakeServer(), FakeServer()]
+    syncer, comms = fake_syncer("nccl", servers)
+    syncer.init()
+    syncer.sync(counting_params(), version=1)
+    syncer.take_out(servers[1].url, "out of step after a re-sync")
+    assert comms[0].destroyed == 1 and comms[-1].members() == [servers[0], servers[2]]
+    assert "/update_weight_version" in servers[1].calls and servers[1].url not in syncer.urls
+    syncer.sync(counting_params(), version=2)  # the fake communicator refuses one over a non-member
+    assert [s.version for s in servers] == ["2", "1", "2"] and syncer.failed == {}
+
+
+def test_the_version_moves_before_the_per_sync_check_and_a_recheck_draws_a_new_seed(tmp_path):
+    """The rollout process learns the new version as soon as the weights land (turns finishing during
+    the check are on it); a server whose first check trips the bound is re-synced and checked with
+    another seed, so the same bf16 noise does not take a healthy server out."""
+    import train_async_grpo as T
+    from sampling import FidelityError
+
+    servers = [FakeServer()]
+    syncer, _ = fake_syncer("gloo", servers)
+    syncer.init()
+    events = []
+    args = SimpleNamespace(sync_every=1, fidelity_every=1, seed=7)
+    worker = SimpleNamespace(set_version=lambda v: events.append(("version", v)))
+
+    def sample(url: str, bare: bool, seed: int = args.seed) -> dict:
+        events.append(("sample", seed))
+        return {"seed": seed}
+
+    def verify(url: str, samples: dict) -> dict:
+        if samples["seed"] == args.seed:  # this seed's draw lands beyond the bound
+            raise FidelityError("max |Δ logprob| 2e-3")
+        return {"fidelity/max_abs_diff": 1e-4}
+
+    run = SimpleNamespace(args=args, step=1, version=0, servers=[], out_dir=tmp_path, syncer=syncer,
+                          model=torch.nn.Linear(2, 2), world_size=1, worker=worker, sample=sample,
+                          verify=verify)  # fmt: skip
+    (tmp_path / "vllm-logs").mkdir()
+    metrics = T.sync_if_due(run)
+    assert events[0] == ("version", 1), events
+    assert [e for e in events if e[0] == "sample"] == [("sample", 7), ("sample", 8)], events
+    assert syncer.taken_out == {} and metrics["fidelity/servers_resynced"] == 1.0

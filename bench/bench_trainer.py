@@ -1,0 +1,278 @@
+"""Figure 10, the trainer's step: train tokens/s, model-FLOP utilisation, peak memory, and the logprob
+head's extra memory, the streamed head (sampling.streamed_logprobs) beside the full-logits head it
+replaced, in one run.
+
+    python bench/bench_trainer.py [--out bench/results.json]              # CPU form (make bench)
+    python bench/bench_trainer.py --device cuda [--out bench/results.json] # GPU form (make bench-gpu)
+
+Head memory (both forms): one forward + backward of the head alone on N tokens of Qwen's real 151,936-token
+vocabulary, in a fresh subprocess each, extra = peak minus what was resident before the call (inputs,
+weight and its gradient buffer allocated first). CPU: the process's peak RSS (VmHWM, reset through
+/proc/self/clear_refs); CUDA: torch.cuda.max_memory_allocated. The old head holds (N, V) fp32 tensors,
+so on CPU it is measured at 1-2k tokens and extrapolated linearly to 8k and 16k (the two points show the
+line); the new one is measured at 16k. The hidden size is small on CPU (the head's working set does not
+depend on it; its FLOPs do) and the real one on GPU.
+
+Train tokens/s: trainer.train_step on GRPO-shaped batches of random sequences (16-token prompts, the rest
+trained) through a Qwen2-shaped model with random weights and tied embeddings, in a subprocess per
+setting (so each has its own peak memory): old head / new head; on GPU also gradient checkpointing on /
+off, per-sequence sdpa / varlen attention and 8k / 16k micro-batches. MFU: (6 N + causal attention
+12 · len² · d_model per layer) FLOPs per trained batch over the device's dense bf16 peak (PEAK_TFLOPS by
+device name, or --peak-tflops); recomputation under checkpointing is not counted (the usual convention).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file from anywhere
+import train_async_grpo as script  # noqa: E402
+import trainer  # noqa: E402
+from bench.bench_packing import random_sequences  # noqa: E402
+from bench.results import merge_results  # noqa: E402
+from sampling import Sampling, streamed_logprobs, token_logprobs_and_entropy  # noqa: E402
+
+VOCAB = 151_936  # Qwen2 / Qwen2.5
+# Qwen2.5 shapes (config.json of each): hidden, MLP width, layers, query heads, KV heads
+PRESETS = {
+    "0.5B": (896, 4864, 24, 14, 2),
+    "1.5B": (1536, 8960, 28, 12, 2),
+    "3B": (2048, 11008, 36, 16, 2),
+    "cpu-small": (128, 512, 2, 4, 2),
+}
+PEAK_TFLOPS = {"H200": 989, "H100 PCIe": 756, "H100": 989, "B200": 2250, "A100": 312, "L40S": 362, "L4": 121}
+
+
+def peak_tflops(name: str) -> float | None:
+    """Dense bf16 peak of a device, by the first (longest) entry its name contains."""
+    return next((v for k, v in sorted(PEAK_TFLOPS.items(), key=lambda kv: -len(kv[0])) if k in name), None)
+
+
+# ---------------------------------------------------------------------------------------------------
+# HEAD MEMORY: one head forward + backward in a fresh process
+# ---------------------------------------------------------------------------------------------------
+def old_head(hidden, weight, targets, sampling, bf16):
+    """The head before issue 38: the (N, V) logits, then the processing on all of them."""
+    with torch.autocast(hidden.device.type, dtype=torch.bfloat16, enabled=bf16):
+        logits = hidden @ weight.T
+    return token_logprobs_and_entropy(logits, targets, sampling, with_entropy=True)
+
+
+def new_head(hidden, weight, targets, sampling, bf16):
+    return streamed_logprobs(hidden, weight, targets, sampling, with_entropy=True, bf16=bf16)
+
+
+def resident_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_resident_bytes() -> int:
+    status = Path("/proc/self/status").read_text()
+    return next(int(x.split()[1]) * 1024 for x in status.splitlines() if x.startswith("VmHWM:"))
+
+
+def head_memory_child(head: str, tokens: int, hidden_size: int, device: str) -> dict:
+    device = torch.device(device)
+    bf16 = device.type == "cuda"
+    torch.manual_seed(0)
+    # made in place (no temporaries that would set the peak before the call)
+    hidden = torch.empty(tokens, hidden_size, device=device).normal_().requires_grad_()
+    weight = torch.empty(VOCAB, hidden_size, device=device).normal_(std=0.02).requires_grad_()
+    targets = torch.randint(0, VOCAB, (tokens,), device=device)
+    hidden.grad, weight.grad = torch.zeros_like(hidden), torch.zeros_like(weight)  # the step holds these
+    fn = old_head if head == "old" else new_head
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    else:
+        before = resident_bytes()
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    t0 = time.perf_counter()
+    lp, _ = fn(hidden, weight, targets, Sampling(0.8), bf16)
+    lp.sum().backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = peak_resident_bytes()
+    return {"extra_gib": round((peak - before) / 2**30, 3), "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def head_memory(head: str, tokens: int, hidden_size: int, device: str) -> dict:
+    cmd = [sys.executable, __file__, "--child-head", head, "--tokens", str(tokens),
+           "--hidden", str(hidden_size), "--device", device]  # fmt: skip
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    print(f"head {head} at {tokens} tokens: {result}", flush=True)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------
+# TRAIN STEP: tokens/s, MFU and peak memory of one setting in a fresh process
+# ---------------------------------------------------------------------------------------------------
+def qwen2_model(preset: str, device: torch.device, attention: str):
+    hidden, mlp, layers, heads, kv = PRESETS[preset]
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=True,
+        max_position_embeddings=32768,
+    )  # fmt: skip
+    config._attn_implementation = attention
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def old_score(model, mb, sampling, bf16, with_entropy=False):
+    """trainer.score before issue 38: the model's (T, V) logits of every position, then the processing."""
+    with torch.autocast(mb["input_ids"].device.type, dtype=torch.bfloat16, enabled=bf16):
+        logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).logits[0]
+    lp, ent = token_logprobs_and_entropy(logits[:-1], mb["input_ids"][0, 1:], sampling, with_entropy)
+    zero = lp.new_zeros(1)
+    return torch.cat([zero, lp]), (torch.cat([zero, ent]) if with_entropy else None)
+
+
+def step_flops(config, seqs: list[dict]) -> float:
+    """6 N per token (N counts the tied embedding once, as the LM head) + causal attention's
+    QKᵀ and PV: 2 · 2 · len² / 2 · d_model per layer forward, × 3 with the backward."""
+    c = config
+    kv = c.hidden_size // c.num_attention_heads * c.num_key_value_heads
+    per_layer = c.hidden_size * (2 * c.hidden_size + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
+    n = c.num_hidden_layers * per_layer + c.vocab_size * c.hidden_size
+    tokens = sum(len(s["ids"]) for s in seqs)
+    attention = sum(2 * len(s["ids"]) ** 2 * c.hidden_size for s in seqs) * c.num_hidden_layers
+    return 6 * n * tokens + 3 * attention
+
+
+def step_child(setting: dict) -> dict:
+    device = torch.device(setting["device"])
+    torch.manual_seed(0)
+    bf16 = device.type == "cuda"
+    attn = trainer.packed_attention(device, "bf16" if bf16 else "fp32")
+    if not setting["varlen"]:
+        attn = trainer.packed_attention(torch.device("cpu"), "fp32")  # per-sequence sdpa
+    model = qwen2_model(setting["preset"], device, attn)
+    if setting["checkpointing"]:
+        model.gradient_checkpointing_enable()
+    args = script.parser.parse_args(["--model", "m", "--micro-batch-tokens", str(setting["micro_batch"])])
+    args.compute_dtype = "bf16" if bf16 else "fp32"
+    optimizer, scheduler = script.make_optimizer(model, args)
+    if setting["head"] == "old":
+        trainer.score = old_score
+    seqs = random_sequences(setting["sequences"], setting["min_len"], setting["max_len"], VOCAB)
+    tokens = sum(len(s["ids"]) for s in seqs)
+    seconds = []
+    for rep in range(setting["repeats"] + 1):  # the first warms up
+        if rep == 1 and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        elif rep == 1:
+            Path("/proc/self/clear_refs").write_text("5")
+        t0 = time.perf_counter()
+        trainer.train_step(model, None, optimizer, scheduler, seqs, args, 0, 1, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if rep:
+            seconds.append(time.perf_counter() - t0)
+    tok_s = tokens / statistics.median(seconds)
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else peak_resident_bytes()
+    out = {"tok_s": round(tok_s, 1), "peak_gib": round(peak / 2**30, 2), "attention": attn}
+    if device.type == "cuda":
+        tflops = setting["peak_tflops"] or peak_tflops(torch.cuda.get_device_name())
+        if tflops:
+            out["mfu"] = round(
+                step_flops(model.config, seqs) / statistics.median(seconds) / (tflops * 1e12), 4
+            )
+    return out
+
+
+def step(setting: dict) -> dict:
+    cmd = [sys.executable, __file__, "--child-step", json.dumps(setting)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        tail = done.stderr.strip().splitlines()[-1:] or ["?"]
+        result = {"error": tail[0][:200]}  # e.g. out of memory: a figure, not a crash of the bench
+    else:
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"step {setting}: {result}", flush=True)
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", help="cpu (the small form) or cuda (the presets)")
+    p.add_argument("--presets", nargs="+", default=["0.5B", "1.5B", "3B"], help="GPU form's model shapes")
+    p.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak (TFLOP/s)")
+    p.add_argument("--repeats", type=int, default=2, help="timed steps per setting (median), after a warm-up")
+    p.add_argument("--out", default=None, help="JSON results file to merge into")
+    p.add_argument("--child-head", choices=["old", "new"], help=argparse.SUPPRESS)
+    p.add_argument("--child-step", help=argparse.SUPPRESS)
+    p.add_argument("--tokens", type=int, default=16384, help=argparse.SUPPRESS)
+    p.add_argument("--hidden", type=int, default=64, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # one core, like bench_packing: the machine may be shared
+    if args.child_head:
+        print(json.dumps(head_memory_child(args.child_head, args.tokens, args.hidden, args.device)))
+        return
+    if args.child_step:
+        print(json.dumps(step_child(json.loads(args.child_step))))
+        return
+
+    gpu = args.device == "cuda"
+    result: dict = {"device": torch.cuda.get_device_name() if gpu else "cpu (1 thread)"}
+    # the head alone
+    hidden = 1536 if gpu else 64
+    old = {n: head_memory("old", n, hidden, args.device) for n in ([8192, 16384] if gpu else [1024, 2048])}
+    new = {n: head_memory("new", n, hidden, args.device) for n in [2048, 16384]}
+    if not gpu:  # linear in N: extrapolate the old head's line to 8k and 16k
+        (n1, a), (n2, b) = old.items()
+        slope = (b["extra_gib"] - a["extra_gib"]) / (n2 - n1)
+        for n in (8192, 16384):
+            old[n] = {"extra_gib": round(a["extra_gib"] + slope * (n - n1), 2), "extrapolated": True}
+    result["head_extra_gib"] = {
+        "hidden": hidden, "vocab": VOCAB, "old": {str(k): v for k, v in old.items()},
+        "new": {str(k): v for k, v in new.items()},
+    }  # fmt: skip
+    # train steps
+    base = {"device": args.device, "repeats": args.repeats, "peak_tflops": args.peak_tflops, "varlen": gpu,
+            "checkpointing": False, "head": "new"}  # fmt: skip
+    if gpu:
+        batch = {"sequences": 64, "min_len": 300, "max_len": 2300}
+        runs = {}
+        for preset in args.presets:
+            s = {**base, **batch, "preset": preset, "micro_batch": 8192}
+            runs[preset] = {
+                "old_head_ckpt_on": step({**s, "head": "old", "checkpointing": True}),  # the trainer before
+                "new_head": step(s),
+                "new_head_ckpt_on": step({**s, "checkpointing": True}),
+                "new_head_ckpt_on_16k": step({**s, "checkpointing": True, "micro_batch": 16384}),
+                "new_head_per_sequence_sdpa": step({**s, "varlen": False}),
+            }
+    else:
+        batch = {"sequences": 8, "min_len": 150, "max_len": 600}
+        s = {**base, **batch, "preset": "cpu-small", "micro_batch": 2048}
+        runs = {"cpu-small": {"old_head": step({**s, "head": "old"}), "new_head": step(s)}}
+    result["steps"] = runs
+    result["settings"] = (
+        f"{batch['sequences']} random sequences of {batch['min_len']}-{batch['max_len']} tokens per step, "
+        f"Qwen2 shapes {', '.join(runs)} ({PRESETS}: hidden, MLP, layers, heads, KV heads), vocabulary "
+        f"{VOCAB}, tied embeddings, AdamW, {'bf16 autocast over fp32 weights' if gpu else 'fp32, 1 thread'}; "
+        f"median of {args.repeats} steps after a warm-up, each setting in its own process"
+    )
+    result["command"] = "python bench/bench_trainer.py " + " ".join(sys.argv[1:])
+    key = "trainer_gpu" if gpu else "trainer"
+    print(json.dumps({key: result}, indent=1))
+    if args.out:
+        merge_results(args.out, {key: result})
+
+
+if __name__ == "__main__":
+    main()

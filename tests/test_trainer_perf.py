@@ -1,0 +1,148 @@
+"""The trainer's step at the hardware's pace: no device→host sync inside a step (metrics add up on the
+device and are read once per optimizer step), and gradient checkpointing only where memory needs it.
+Speed and memory figures are bench/bench_trainer.py's, not asserted here."""
+
+import inspect
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import train_async_grpo as script
+import trainer as T
+from trainer import activation_bytes, choose_checkpointing
+
+REPO = Path(__file__).resolve().parent.parent
+# Every Tensor method that hands a device value to the host: on CUDA each waits for the GPU to drain.
+HOST_READS = ["item", "tolist", "__bool__", "__float__", "__int__", "__index__", "nonzero", "cpu", "numpy"]
+
+
+def _seqs(n: int, seed: int = 0) -> list[dict]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for k in range(n):
+        p, c = 4 + k % 3, 6 + (3 * k) % 7
+        out.append({
+            "ids": torch.randint(0, 500, (p + c,), generator=gen).tolist(),
+            "mask": [0] * p + [1] * c,
+            "behaviour": [0.0] * p + [-2.0] * c,
+            "advantage": 1.0 if k % 2 else -0.5,
+        })  # fmt: skip
+    return out
+
+
+def _step(model_dir: Path, device: torch.device, flags: list[str], ref: bool = False):
+    """A closure running one train_step on 10 sequences in 24-token micro-batches (several per
+    optimizer step) with the real parser's defaults and `flags`."""
+    args = script.parser.parse_args(["--model", "m", "--micro-batch-tokens", "24", *flags])
+    args.compute_dtype = args.compute_dtype or "fp32"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    ref_model = (
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device) if ref else None
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    seqs = _seqs(10)
+    return lambda: T.train_step(model, ref_model, optimizer, scheduler, seqs, args, 0, 1, device)
+
+
+def count_host_reads(monkeypatch, run) -> list[str]:
+    """The host reads the project's own code asks for while `run()` runs (on CPU they cost nothing, on
+    CUDA each is a sync): every HOST_READS call whose caller is a file of this repository, not torch's
+    or transformers' internals (their CPU-side bookkeeping, e.g. AdamW's step count, is no device
+    read). Returns 'file:line method' per call."""
+    seen = []
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *a, __original=original, __name=name, **k):
+            caller = inspect.currentframe().f_back
+            path = Path(caller.f_code.co_filename)
+            if REPO in path.parents and ".venv" not in path.parts and "tests" not in path.parts:
+                seen.append(f"{path.name}:{caller.f_lineno} {__name}")
+            return __original(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    run()
+    monkeypatch.undo()
+    return seen
+
+
+@pytest.mark.parametrize(
+    "flags, ref, steps",
+    [([], False, 1), (["--mini-batches", "2", "--loss-norm", "sequence", "--kl-beta", "0.1"], True, 2)],
+    ids=["one-step", "two-mini-batches-sequence-norm-kl"],
+)
+def test_a_step_reads_the_device_twice_per_optimizer_step(monkeypatch, tiny_model, flags, ref, steps):
+    """The minimum: per optimizer step one read of the metrics, loss and gradient norm together (the
+    guard decides on them before the step) and one of the weights' finiteness after it. Before: ~10 per
+    micro-batch (loss.item() and every metric's), the sequence lengths in every forward, the sequence
+    count of the sequence norm."""
+    step = _step(tiny_model, torch.device("cpu"), flags, ref)
+    reads = count_host_reads(monkeypatch, step)
+    assert len(reads) == 2 * steps, reads
+    assert sorted({r.split(":")[0] for r in reads}) == ["trainer.py"], reads
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.set_sync_debug_mode)")
+def test_a_step_synchronizes_with_the_gpu_twice_per_optimizer_step(tiny_model):
+    """On CUDA the driver counts: torch's sync debug mode warns at every synchronizing call (a D2H
+    copy, .item(), nonzero, a blocking H2D copy). A warm-up step first: the first one allocates and
+    initialises what later ones reuse (AdamW's state)."""
+    step = _step(tiny_model, torch.device("cuda"), ["--compute-dtype", "bf16"])
+    step()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 2, syncs
+
+
+# ---------------------------------------------------------------------------------------------------
+# --gradient-checkpointing auto: from the model, the micro-batch and the free memory
+# ---------------------------------------------------------------------------------------------------
+QWEN_1_5B = SimpleNamespace(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28)
+GIB = 2**30
+
+
+def test_checkpointing_on_and_off_are_obeyed():
+    for setting, on in [("on", True), ("off", False)]:
+        chosen, why = choose_checkpointing(setting, QWEN_1_5B, 1_540_000_000, 16384, 1, True, GIB)
+        assert chosen is on and why == f"--gradient-checkpointing {setting}"
+
+
+def test_auto_checkpointing_turns_on_only_where_the_activations_do_not_fit():
+    """Qwen2.5-1.5B on an 80 GB H100 (~75 GiB free with the fp32 weights loaded): 8k-token micro-batches
+    fit without checkpointing (issue 38 measured 57 GiB peak), 16k do not; two FSDP ranks shard the
+    gradients and AdamW state; a CPU with unknown free memory never turns it on."""
+    n = 1_540_000_000
+    assert activation_bytes(QWEN_1_5B, 8192, bf16=True) == pytest.approx(30.3 * 2**30, rel=0.01)
+    off, why = choose_checkpointing("auto", QWEN_1_5B, n, 8192, 1, True, 75 * GIB)
+    assert not off and "fit in 85% of the 75.0 GiB free" in why and "8192-token" in why
+    on, why = choose_checkpointing("auto", QWEN_1_5B, n, 16384, 1, True, 75 * GIB)
+    assert on and "exceed" in why
+    assert not choose_checkpointing("auto", QWEN_1_5B, n, 16384, 8, True, 75 * GIB)[0]  # state sharded
+    assert choose_checkpointing("auto", QWEN_1_5B, n, 8192, 1, False, 75 * GIB)[0]  # fp32: twice the bytes
+    chosen, why = choose_checkpointing("auto", QWEN_1_5B, n, 8192, 1, True, None)
+    assert not chosen and "free memory unknown" in why
+
+
+def test_the_trainer_says_what_it_chose_and_why(tiny_model, capsys):
+    args = SimpleNamespace(model=str(tiny_model), kl_beta=0.0, compute_dtype="fp32", micro_batch_tokens=4096)
+    for setting, on in [("auto", False), ("on", True)]:
+        args.gradient_checkpointing = setting
+        model, _, _ = T.load_models(args, None, torch.device("cpu"), world_size=1)
+        assert model.is_gradient_checkpointing is on
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("gradient checkpointing"))
+        assert line.startswith(f"gradient checkpointing: {'on' if on else 'off'} (")
+        assert ("free" in line) if setting == "auto" else ("--gradient-checkpointing on" in line)
