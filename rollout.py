@@ -41,7 +41,7 @@ from records import (
     TurnRecord,
     group_metrics,
 )
-from sampling import PROBE_TOKENS, FidelityError, ProbeSample, Sampling, probe_server, request_seed
+from sampling import Sampling, request_seed
 
 logger = logging.getLogger(__name__)
 
@@ -263,36 +263,6 @@ class _ServerGone(_Retryable):
     def __init__(self, message: str, aborted: bool = False):
         super().__init__(message)
         self.aborted = aborted
-
-
-def probe(
-    url: str,
-    model_name: str,
-    prompts: list[list[int]],
-    sampling: Sampling,
-    seed: int,
-    bare: bool = True,
-    max_tokens: int = PROBE_TOKENS,
-) -> dict[str, list[ProbeSample]]:
-    """sampling.probe_server on one server through a client of its own (the fidelity probe at start-up
-    and after each sync). Raises FidelityError when the server returns no token ids or no logprobs."""
-
-    async def go():
-        client = VLLMClient([url], model_name, request_timeout_s=60.0, max_retries=2)
-        await client.open()
-        try:
-            return await probe_server(client.generate, prompts, sampling, seed, bare, max_tokens)
-        finally:
-            await client.close()
-
-    try:
-        return asyncio.run(go())
-    except GenerationError as e:
-        raise FidelityError(
-            f"fidelity probe: {url} did not return token ids with one logprob each ({e}); the trainer needs "
-            "a vLLM server that honours return_token_ids and logprobs (start it with vllm_server.py, or "
-            "`--logprobs-mode processed_logprobs`)"
-        ) from e
 
 
 # ---------------------------------------------------------------------------------------------------

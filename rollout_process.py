@@ -13,14 +13,16 @@ pinned to --rollout-cpus with everything it starts; the trainer sees the interfa
 The child starts when this object is made, before the trainer loads its model: a spawned interpreter
 imports the trainer's modules (~3 s on 2 cores), and that overlaps the model load and the servers'
 start-up instead of delaying the first batch. `build(...)` then hands it a picklable
-`build(expected_version) -> AsyncRolloutWorker` (the trainer's `rollout_worker`, which loads the
+`build(expected_version) -> AsyncRolloutWorker` (the trainer's `build_worker` below, which loads the
 tokenizer and the env the same way the trainer does); it waits for `start()` before it admits a group,
 so the build overlaps the trainer's start-up eval. It dies with the trainer, however the trainer dies
 (PR_SET_PDEATHSIG), and takes its sandbox runs and answer-checking workers with it (theirs are set the
 same way).
 """
 
+import argparse
 import copy
+import importlib
 import logging
 import multiprocessing as mp
 import os
@@ -30,9 +32,13 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from batches import row_stream
+from envs import episodes_of, verify
 from envs.confine import die_with_parent, pin_to_rollout_cpus
-from rollout import ClientStats, WorkerStats
+from rollout import AsyncRolloutWorker, ClientStats, VLLMClient, WorkerStats
+from trainer import load_tokenizer, sampling_of
 
 logger = logging.getLogger(__name__)
 
@@ -230,3 +236,28 @@ def _child_main(builds, parent_pid: int, groups, reports, shared, stop_timeout_s
 def _report(worker, exhausted: bool, sent: int) -> Report:
     # A copy: the queue pickles it later, in its feeder thread, while the counters move on.
     return copy.deepcopy(Report(worker.stats, worker.client.stats, set(worker.client.down), exhausted, sent))
+
+
+def build_worker(
+    args: argparse.Namespace, ckpt: Path | None, urls: list[str], model_name: str, rows: list[dict],
+    position: int, pending: list[int], version: int, env_module: str, *, expected_version,
+) -> AsyncRolloutWorker:  # fmt: skip
+    """The trainer's rollout worker, built inside the rollout process (`RolloutProcess.build` takes this
+    with every argument but `expected_version` bound) from the trainer's flags: the same tokenizer and
+    chat template, the env's episodes with a sandbox of their own, the row stream: the
+    `pending` rows of a resume, then on from `position`. `env_module` by path: an env registered at run
+    time (bench/heavy_tail_env.py) is not in a fresh process's ENVS."""
+    verify.DEADLINE_S = args.reward_timeout
+    make_episode = episodes_of(importlib.import_module(env_module), args.sandbox_workers)
+    _, template = load_tokenizer(args, ckpt, make_episode(rows[0]))
+    client = VLLMClient(
+        urls, model_name, request_timeout_s=args.batch_timeout, expected_version=expected_version
+    )
+    return AsyncRolloutWorker(
+        client, template, make_episode, row_stream(rows, args.seed, position, pending),
+        num_generations=args.num_generations, groups_per_version=args.prompts_per_step * args.sync_every,
+        max_staleness=args.max_staleness, max_turns=args.max_turns, max_context=args.max_context,
+        max_calls_per_turn=args.max_calls_per_turn, sampling=sampling_of(args).request_fields(),
+        seed=args.seed, max_concurrent_tools=args.sandbox_workers, scale_rewards=not args.no_scale_rewards,
+        start_version=version,
+    )  # fmt: skip

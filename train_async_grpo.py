@@ -2,28 +2,16 @@
 
     # CPU, one process: launches its own vLLM server on the model, then trains
     python train_async_grpo.py --model models/tiny --env retool --max-steps 20
-
     # against servers that are already running (vllm_server.py or `make serve`)
     python train_async_grpo.py --model models/tiny --env retool --vllm-url http://127.0.0.1:8000
-
-    # continue a run where its last checkpoint left it
+    # continue a run where its last checkpoint left it; curves
     python train_async_grpo.py --model models/tiny --env retool --output-dir runs/x --resume
-
-    # curves
     python scripts/plot_metrics.py runs/x/metrics.jsonl --out runs/x/plots
-
-One GPU box: `--vllm-gpus K` runs vLLM servers on GPUs 0..K-1 (`--vllm-tp` GPUs each) and trainer rank r
-on GPU K + r; K defaults to every GPU the ranks leave (2 GPUs, one process: server on 0, trainer on 1).
-The plan is checked before anything starts and printed in one line; one GPU needs --vllm-url.
-
+    # 8 GPUs: servers on GPUs 0-1 (`--vllm-gpus K`: 0..K-1), trainer rank r on GPU K + r (FSDP2)
     torchrun --nproc-per-node 6 train_async_grpo.py --model Qwen/Qwen2.5-7B-Instruct --vllm-gpus 2
 
-    # the same distributed code on CPU (gloo), as tests/test_train.py runs it
-    python -m torch.distributed.run --nproc-per-node 2 train_async_grpo.py --model models/tiny-warm
-
-    # several nodes (scripts/multinode.sbatch): servers on their own nodes (vllm_server.py --host), node i
-    torchrun --nnodes 2 --nproc-per-node 8 --node-rank i --master-addr NODE0 --master-port 29500 \
-        train_async_grpo.py --model Qwen/Qwen2.5-7B-Instruct --vllm-url http://SERVER:8000
+The device plan is checked before anything starts and printed in one line; one GPU needs --vllm-url.
+Several nodes: docs/multinode.md.
 
 Multi-rank (WORLD_SIZE > 1): FSDP2 on each decoder layer, then the root (nccl on GPU, gloo on CPU). Rank 0
 owns the servers, the rollout worker, eval, metrics and checkpoint files; each step it broadcasts the
@@ -57,15 +45,12 @@ has the depth):
 import argparse
 import asyncio
 import functools
-import importlib
 import json
-import math
 import os
 import random
 import signal
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,14 +64,15 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from batches import BatchTimeout, StreamPosition, batch_sequences, collect_groups, row_stream
+from batches import BatchTimeout, StreamPosition, batch_sequences, collect_groups
 from chat_format import ChatTemplate
 from checkpoint import check_row_stream, latest_checkpoint, resume_from, row_stream_identity, save_checkpoint
 from distributed import broadcast_message, place_ranks
-from envs import ENVS, episode_maker, episodes_of, verify
+from envs import ENVS, episode_maker, verify
 from envs.confine import ROLLOUT_CPUS_ENV, parse_cpus
 from envs.data import load_rows
 from evaluate import evaluate
+from fidelity import TOP_N, FidelityError, Prober, check_after_sync, worst_gaps
 from metrics import (
     NoTracker,
     make_tracker,
@@ -96,14 +82,16 @@ from metrics import (
     rollout_metrics,
     write_completions,
 )
-from rollout import AsyncRolloutWorker, VLLMClient, probe
-from rollout_process import RolloutProcess
-from sampling import PROBE_TOKENS, TOP_N, FidelityError, verify_server, worst_gaps
+from rollout_process import RolloutProcess, build_worker
 from trainer import (
+    NonFiniteCount,
+    NonFiniteSteps,
     NonFiniteWeights,
     follow_rank0,
     load_models,
     load_tokenizer,
+    make_optimizer,
+    model_problem,
     sampling_of,
     sync_weights,
     train_step,
@@ -240,12 +228,18 @@ def check_args(args: argparse.Namespace) -> None:
             )
     if args.chat_template and not os.path.isfile(args.chat_template):
         parser.error(f"--chat-template: {args.chat_template} does not exist (a jinja file)")
-    check_model(args.model)
+    if why := model_problem(args.model):
+        parser.error(f"--model: {why}")
     if args.resume not in (None, "latest") and not os.path.isdir(args.resume):
         parser.error(f"--resume: {args.resume} is not a checkpoint directory")
     for u in args.vllm_url or []:
         if not u.startswith(("http://", "https://")):
             parser.error(f"--vllm-url must start with http:// or https://, got {u}")
+        if not healthy(u.rstrip("/")):
+            parser.error(
+                f"--vllm-url: no vLLM server answers at {u}: start one first (`make serve`, vllm_server.py) "
+                "and wait until it is up, or leave out --vllm-url to launch one"
+            )
     out_dir = Path(args.output_dir)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -253,38 +247,6 @@ def check_args(args: argparse.Namespace) -> None:
         parser.error(f"--output-dir: cannot create {out_dir} ({e.strerror}); choose another directory")
     if not os.access(out_dir, os.W_OK):
         parser.error(f"--output-dir: {out_dir} is not writable; choose another directory")
-
-
-def check_model(model: str) -> None:
-    """--model: a directory holding a model, or a hub name that is in the local cache or, with a network,
-    on the hub (from_pretrained would download it). Anything else is one line, not a traceback from
-    deep inside transformers."""
-    if os.path.isdir(model):
-        if not os.path.isfile(os.path.join(model, "config.json")):
-            parser.error(f"--model: {model} has no config.json (a directory written by save_pretrained)")
-        return
-    from huggingface_hub import HfApi, constants, try_to_load_from_cache
-    from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
-
-    try:
-        cached = try_to_load_from_cache(model, "config.json")
-    except HFValidationError:
-        parser.error(
-            f"--model: {model} does not exist (a model directory, or a hub name like Qwen/Qwen3-0.6B)"
-        )
-    if isinstance(cached, str):
-        return
-    where = f"no directory {model}, and it is not in the Hugging Face cache ({constants.HF_HUB_CACHE})"
-    if constants.HF_HUB_OFFLINE:
-        parser.error(f"--model: {where}; HF_HUB_OFFLINE is set: download it first (`hf download {model}`)")
-    try:
-        HfApi().model_info(model, timeout=10)
-    except RepositoryNotFoundError:
-        parser.error(f"--model: {where} nor on the hub (private? `hf auth login` first)")
-    except Exception as e:  # no network: the client's own error type varies with the transport
-        parser.error(
-            f"--model: {where}, and the hub cannot be reached ({e}): download it where there is a network"
-        )
 
 
 # SET-UP STEPS: each reads the arguments it names and returns what the run holds -----------------------------
@@ -331,24 +293,6 @@ def pin_rollout_cpus(args: argparse.Namespace) -> None:
     os.environ[ROLLOUT_CPUS_ENV] = args.rollout_cpus
 
 
-def lr_lambda(step: int, warmup: int, total: int, schedule: str) -> float:
-    if step < warmup:
-        return (step + 1) / (warmup + 1)
-    if schedule == "cosine":
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return 1.0
-
-
-def make_optimizer(model, args: argparse.Namespace):
-    """AdamW over the (fp32) parameters and its --lr-schedule after --warmup-steps."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_lambda(s, args.warmup_steps, args.max_steps, args.lr_schedule)
-    )
-    return optimizer, scheduler
-
-
 # THE RUN (rank 0): what the loop advances, and what a checkpoint, a heal and the shutdown need --------------
 @dataclass
 class Run:
@@ -372,13 +316,10 @@ class Run:
     servers: list = field(default_factory=list)  # launched here; none with --vllm-url
     syncer: object = None  # weight_sync.WeightSyncer, once the servers are up
     worker: object = None  # rollout_process.RolloutProcess (rank 0), given its worker once the servers are up
-    # The fidelity probe of one server, in two parts: `sample` (url, bare -> its seeded completions; a
-    # request, so the servers' can run at once) and `verify` (url, samples -> the gaps; a re-scoring by
-    # every FSDP rank, so one server after another; FidelityError beyond the bound).
-    sample: object = None
-    verify: object = None
-    nonfinite_steps: int = 0  # steps whose update was not applied (a non-finite loss or gradient)
-    nonfinite_in_row: int = 0
+    prober: object = None  # fidelity.Prober: the servers' fidelity probe, once they are up
+    nonfinite: NonFiniteCount = field(default_factory=NonFiniteCount)  # steps train_step did not apply
+    t_last: float = 0.0  # when the last step's metrics were taken (time.monotonic)
+    request_s: float = 0.0  # the worker's request_seconds then
 
 
 def save(run: Run) -> Path:
@@ -414,11 +355,13 @@ def heal(run: Run, push: bool = True) -> None:
 
 
 def start_rollouts(
-    run: Run, server_gpus: list[str], template: ChatTemplate, make_episode, rows: list[dict], device, ckpt
-) -> tuple[list[str], str, dict[str, float]]:
+    run: Run, server_gpus: list[str], template: ChatTemplate, make_episode, rows: list[dict],
+    eval_rows: list[dict], device, ckpt,
+) -> tuple[list[str], tuple, dict[str, float]]:  # fmt: skip
     """Servers up (those of --vllm-url, or launched here on `server_gpus`), the weight-transfer group
-    formed, our weights pushed, the fidelity probe passed, the rollout worker built (not started).
-    Returns (server URLs, the model name they serve, the probe's gaps)."""
+    formed, our weights pushed, the fidelity probe passed, the rollout worker built, the start-up eval
+    (--eval-every) done, the worker started. Returns (server URLs, evaluate's arguments, the probe's
+    gaps)."""
     args, on_gpu = run.args, torch.cuda.is_available()
     # Servers (launched here, or assumed of those given by --vllm-url) run bf16 on GPU, fp32 on CPU (the
     # CPU tests compare logprobs with the trainer's exactly).
@@ -450,19 +393,12 @@ def start_rollouts(
     # --vllm-url may hold anything, a checkpoint's weights must go in, and the version tag it sets
     # is how a restarted server (tag "default", base weights) is told apart from one in step.
     sync_weights(run.syncer, run.model, run.version, run.world_size)
-    probe_prompts = [template.prompt_ids(make_episode(r).messages) for r in rows[:4]]
     bf16 = args.compute_dtype == "bf16" or serving_dtype == "bfloat16"  # either side bf16: the KL bound
-
-    def sample(url: str, bare: bool, seed: int = args.seed) -> dict:
-        # After a sync (bare=False) one prompt's 32-token completion compares as many positions as two
-        # of 16 did, at half the re-scoring cost: the forward's cost is mostly the prompt.
-        prompts = probe_prompts if bare else probe_prompts[:PER_SYNC_PROMPTS]
-        max_tokens = PROBE_TOKENS if bare else PER_SYNC_TOKENS
-        return probe(url, model_name, prompts, sampling_of(args), seed, bare, max_tokens)
-
-    run.sample = sample
-    run.verify = lambda url, samples: verify_server(url, samples, run.model, bf16, run.world_size, device)
-    fidelity = worst_gaps([run.verify(u, run.sample(u, bare=True)) for u in urls])
+    prompts = [template.prompt_ids(make_episode(r).messages) for r in rows[:4]]
+    run.prober = Prober(
+        model_name, prompts, sampling_of(args), args.seed, run.model, bf16, run.world_size, device
+    )
+    fidelity = worst_gaps([run.prober.verify(u, run.prober.sample(u, bare=True)) for u in urls])
     print(
         f"fidelity probe: {len(urls)} server(s) sample what the trainer scores (max |Δ logprob| "
         f"{fidelity['fidelity/max_abs_diff']:.2g}, mismatch KL {fidelity['fidelity/mismatch_kl']:.2g}, "
@@ -472,43 +408,30 @@ def start_rollouts(
     # The worker is built in its own process (the same tokenizer, env and rows) while the start-up eval
     # runs, and admits groups from run.worker.start() on.
     build = functools.partial(
-        rollout_worker, args, ckpt, urls, model_name, rows, run.position.frontier,
+        build_worker, args, ckpt, urls, model_name, rows, run.position.frontier,
         sorted(run.position.pending), run.version, ENVS[args.env],
     )  # fmt: skip
     run.worker.build(build, lambda: run.syncer.version, run.version)
-    return urls, model_name, fidelity
-
-
-def rollout_worker(
-    args: argparse.Namespace, ckpt: Path | None, urls: list[str], model_name: str, rows: list[dict],
-    position: int, pending: list[int], version: int, env_module: str, *, expected_version,
-) -> AsyncRolloutWorker:  # fmt: skip
-    """The rollout worker, built inside the rollout process from what the trainer loaded: the same
-    tokenizer and chat template, the env's episodes with a sandbox of their own, the row stream: the
-    `pending` rows of a resume, then on from `position`. `env_module` by path: an env registered at run
-    time (bench/heavy_tail_env.py) is not in a fresh process's ENVS."""
-    verify.DEADLINE_S = args.reward_timeout
-    make_episode = episodes_of(importlib.import_module(env_module), args.sandbox_workers)
-    _, template = load_tokenizer(args, ckpt, make_episode(rows[0]))
-    client = VLLMClient(
-        urls, model_name, request_timeout_s=args.batch_timeout, expected_version=expected_version
-    )
-    return AsyncRolloutWorker(
-        client, template, make_episode, row_stream(rows, args.seed, position, pending),
-        num_generations=args.num_generations, groups_per_version=args.prompts_per_step * args.sync_every,
-        max_staleness=args.max_staleness, max_turns=args.max_turns, max_context=args.max_context,
-        max_calls_per_turn=args.max_calls_per_turn, sampling=sampling_of(args).request_fields(),
-        seed=args.seed, max_concurrent_tools=args.sandbox_workers, scale_rewards=not args.no_scale_rewards,
-        start_version=version,
-    )  # fmt: skip
+    expected_version = run.worker.client.expected_version
+    eval_args = (urls, model_name, template, make_episode, eval_rows, args, expected_version)
+    if args.eval_every and run.step == 0:  # the start, before any rollout competes for the servers
+        start = {"step": 0, "model_version": run.version} | evaluate_now(run, eval_args)
+        run.metrics_file.write(json.dumps(start) + "\n")
+        run.metrics_file.flush()
+        print(f"eval at start: {json.dumps(start)}", flush=True)
+    run.worker.start()
+    return urls, eval_args, fidelity
 
 
 # LOOP STEPS -------------------------------------------------------------------------------------------------
+NO_SYNC = {"sync/seconds": 0.0, "sync/mb": 0.0, "sync/mb_per_s": 0.0, "sync/servers_failed": 0.0}
+
+
 def sync_if_due(run: Run) -> dict[str, float]:
     """Every --sync-every steps: a new model version, pushed into the servers; the worker admits by it.
     A server that fails is left out (named on stderr, counted) and brought back by `heal` once it
     answers; the run stops only if no batch comes within --batch-timeout."""
-    sync = {"sync/seconds": 0.0, "sync/mb": 0.0, "sync/mb_per_s": 0.0, "sync/servers_failed": 0.0}
+    sync = dict(NO_SYNC)
     if run.step % run.args.sync_every == 0:
         run.version += 1
         heal(run, push=False)
@@ -521,66 +444,8 @@ def sync_if_due(run: Run) -> dict[str, float]:
         # below takes out stops being routed to when it is).
         run.worker.set_version(run.version)
         if run.args.fidelity_every and run.version % run.args.fidelity_every == 0:
-            sync.update(verify_after_sync(run))
+            sync.update(check_after_sync(run.prober, run.syncer, run.version, run.step))
     return sync
-
-
-PER_SYNC_PROMPTS, PER_SYNC_TOKENS = 1, 32  # the start-up probe's first prompt; bench/bench_fidelity.py
-
-
-def verify_after_sync(run: Run) -> dict[str, float]:
-    """Round-trip check of a sync: each server that took it samples the probe's short seeded
-    completions, and the trainer re-scores them with the weights it just sent (the start-up probe's
-    run request and bounds). A server beyond them is out of step: it is re-synced and checked again,
-    with a fresh seed (the first check's bf16 noise is not drawn again), and if it stays out, taken
-    out of the run (`WeightSyncer.take_out`). Returns the fidelity/ keys (worst over
-    servers)."""
-    t0, gaps, resynced = time.monotonic(), [], 0
-    urls = [u for u in run.syncer.urls if u in run.syncer.groups and u not in run.syncer.failed]
-    # Every server samples at once (N servers cost one request's latency, not N); the trainer re-scores
-    # them one after another (each re-scoring is a message every FSDP rank acts on).
-    with ThreadPoolExecutor(max_workers=max(1, len(urls))) as pool:
-        sampled = {u: pool.submit(run.sample, u, False) for u in urls}
-    for url in urls:
-        try:
-            gaps.append(run.verify(url, sampled[url].result()))
-            continue
-        except FidelityError as e:
-            print(f"\nstep {run.step}: after the sync, {e}; re-syncing it", file=sys.stderr, flush=True)
-        resynced += 1
-        try:
-            sync_weights(run.syncer, run.model, run.version, run.world_size, urls=[url])
-            gaps.append(run.verify(url, run.sample(url, False, run.args.seed + run.version)))
-        except (FidelityError, WeightSyncError) as e:
-            run.syncer.take_out(url, str(e))
-            print(
-                f"\nstep {run.step}: {url} taken out of routing for the rest of the run: still out of step "
-                f"after a re-sync ({e})", file=sys.stderr, flush=True,
-            )  # fmt: skip
-    if not run.syncer.urls:
-        raise FidelityError("every server is out of step with the trainer after a sync (above)")
-    return (worst_gaps(gaps) if gaps else {}) | {
-        "fidelity/seconds": time.monotonic() - t0,
-        "fidelity/servers_resynced": float(resynced),
-        "fidelity/servers_out": float(len(run.syncer.taken_out)),
-    }
-
-
-class NonFiniteSteps(RuntimeError):
-    """--max-nonfinite-steps non-finite steps in a row: the run stops (exit 1) with a checkpoint."""
-
-
-def skip_nonfinite(run: Run, what: str) -> dict[str, float]:
-    """A step whose loss or gradient was non-finite: train_step did not apply it; nothing is synced.
-    Counted (train/nonfinite_steps) and named on stderr, once."""
-    run.nonfinite_steps += 1
-    print(
-        f"\nstep {run.step}: non-finite {what}; update not applied, nothing synced "
-        f"({run.nonfinite_in_row + 1} in a row, the run stops at {run.args.max_nonfinite_steps})",
-        file=sys.stderr,
-        flush=True,
-    )
-    return {"sync/seconds": 0.0, "sync/mb": 0.0, "sync/mb_per_s": 0.0, "sync/servers_failed": 0.0}
 
 
 def stop_between_steps(world_size: int) -> dict:
@@ -594,14 +459,34 @@ def stop_between_steps(world_size: int) -> dict:
     return stop_flag
 
 
-def evaluate_at_start(run: Run, eval_args: tuple) -> None:
-    """The step-0 line of metrics.jsonl: eval/ keys only, before any rollout competes for the servers."""
+def step_metrics(
+    run: Run, groups, queue_counts: tuple, trained_at: int, seqs, wait_s: float, train_s: float
+) -> dict[str, float]:
+    """The step's position, rollout/ and perf/ keys. `queue_counts`: collect_groups' (taken, dropped,
+    skipped)."""
+    now, request_s = time.monotonic(), run.worker.stats.request_seconds
+    step_s, request_span = now - run.t_last, request_s - run.request_s
+    run.t_last, run.request_s = now, request_s
+    metrics = {
+        "step": run.step,
+        "model_version": run.version,
+        "dataset_position": run.position.frontier,
+        "dataset_pending": len(run.position.pending),  # rows a resume admits first
+    }
+    taken, dropped, skipped = queue_counts
+    metrics |= rollout_metrics(groups, dropped, skipped, taken, trained_at)
+    generated = metrics["rollout/generated_tokens"]
+    return metrics | perf_metrics(run.worker, request_span, step_s, wait_s, train_s, seqs, generated)
+
+
+def evaluate_now(run: Run, eval_args: tuple) -> dict[str, float]:
+    """The greedy held-out eval (evaluate.py) on every server that answers; its time is not a step's."""
     t_eval = time.monotonic()
-    start = asyncio.run(evaluate(*eval_args))
-    start.update({"step": 0, "model_version": run.version, "perf/eval_s": time.monotonic() - t_eval})
-    run.metrics_file.write(json.dumps(start) + "\n")
-    run.metrics_file.flush()
-    print(f"eval at start: {json.dumps(start)}", flush=True)
+    heal(run)
+    metrics = asyncio.run(evaluate(*eval_args))
+    metrics["perf/eval_s"] = time.monotonic() - t_eval
+    run.t_last += metrics["perf/eval_s"]
+    return metrics
 
 
 def log_step(run: Run, metrics: dict, text_fields: dict, groups, logged, traced: dict) -> None:
@@ -691,12 +576,6 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(e))
     # sandbox_mode: the sandbox/ keys of the first step's metrics line
     make_episode, sandbox_mode = episode_maker(args.env, args.sandbox_workers, args.unsafe_sandbox, rank)
-    for u in args.vllm_url or []:  # after the sandbox's verdict, before the model loads
-        if not healthy(u.rstrip("/")):
-            parser.error(
-                f"--vllm-url: no vLLM server answers at {u}: start one first (`make serve`, vllm_server.py) "
-                "and wait until it is up, or leave out --vllm-url to launch one"
-            )
     # Rank 0's rollout process starts now: its interpreter's imports overlap the model load and the
     # servers' start-up; it gets its worker once the servers are up (start_rollouts).
     worker = RolloutProcess() if rank == 0 else None
@@ -719,19 +598,14 @@ def main(argv: list[str] | None = None) -> None:
     refused, exc = False, None  # exc: what ended the run, for shutdown
     try:
         # START ROLLOUTS: servers, weight sync group, fidelity probe, the worker thread -------------
-        urls, model_name, fidelity = start_rollouts(
-            run, server_gpus, template, make_episode, rows, device, ckpt
+        urls, eval_args, fidelity = start_rollouts(
+            run, server_gpus, template, make_episode, rows, eval_rows, device, ckpt
         )
-        expected_version = run.worker.client.expected_version
-        eval_args = (urls, model_name, template, make_episode, eval_rows, args, expected_version)
-        if args.eval_every and run.step == 0:  # the start, before any rollout competes for the server
-            evaluate_at_start(run, eval_args)
-        run.worker.start()
         run.tracker = make_tracker(args.report_to, out_dir, vars(args))
 
         # TRAIN LOOP --------------------------------------------------------------------------------
         run.bar = tqdm(total=args.max_steps, initial=run.step, desc="grpo", dynamic_ncols=True)
-        t_last, request_s = time.monotonic(), run.worker.stats.request_seconds
+        run.t_last, run.request_s = time.monotonic(), run.worker.stats.request_seconds
         while run.step < args.max_steps:
             groups, taken, dropped, skipped, wait_s = collect_groups(
                 run.worker, args.prompts_per_step, run.version, args, urls, stop_flag,
@@ -740,7 +614,7 @@ def main(argv: list[str] | None = None) -> None:
 
             # Every rank gets the batch and trains on its share of it (train_step).
             t_train = time.monotonic()
-            version_trained = run.version  # the version the batch's lags are measured against
+            trained_at = run.version  # the version the batch's lags are measured against
             seqs = batch_sequences(groups)
             logged, traced = mark_logged(groups, seqs, run.step, args.log_completions_every), {}
             broadcast_message({"batch": seqs}, world_size)
@@ -750,40 +624,24 @@ def main(argv: list[str] | None = None) -> None:
             run.step += 1
             run.position.consume(g.row["_index"] for g in taken)  # trained, or dropped as a whole run would
             train_s = time.monotonic() - t_train
-            nonfinite = train.pop("nonfinite")
-            sync = skip_nonfinite(run, nonfinite) if nonfinite else sync_if_due(run)
-            run.nonfinite_in_row = run.nonfinite_in_row + 1 if nonfinite else 0
-            train["train/nonfinite_steps"] = float(run.nonfinite_steps)
+            nonfinite = train.pop("nonfinite")  # named on stderr, nothing synced
+            too_many = run.nonfinite.record(nonfinite, run.step, args.max_nonfinite_steps)
+            sync = dict(NO_SYNC) if nonfinite else sync_if_due(run)
+            train["train/nonfinite_steps"] = float(run.nonfinite.total)
 
-            # Metrics: one dict per step.
-            now = time.monotonic()
-            step_s, t_last = now - t_last, now
-            metrics = {
-                "step": run.step,
-                "model_version": run.version,
-                "dataset_position": run.position.frontier,
-                "dataset_pending": len(run.position.pending),  # rows a resume admits first
-            }
-            metrics.update(rollout_metrics(groups, dropped, skipped, taken, version_trained))
-            metrics.update(train | sync | fidelity)  # fidelity: the start-up probe's gaps, first line only
-            request_s, request_s_last, fidelity = run.worker.stats.request_seconds, request_s, {}
-            metrics.update(perf_metrics(
-                run.worker, request_s - request_s_last, step_s, wait_s, train_s, seqs,
-                metrics["rollout/generated_tokens"],
-            ))  # fmt: skip
+            # Metrics: one dict per step (fidelity: the start-up probe's gaps, on the first line only).
+            metrics = step_metrics(run, groups, (taken, dropped, skipped), trained_at, seqs, wait_s, train_s)
+            metrics |= train | sync | fidelity
+            fidelity = {}
             if args.eval_every and (run.step % args.eval_every == 0 or run.step == args.max_steps):
-                t_eval = time.monotonic()
-                heal(run)
-                metrics.update(asyncio.run(evaluate(*eval_args)))
-                metrics["perf/eval_s"] = time.monotonic() - t_eval
-                t_last += metrics["perf/eval_s"]  # eval time is not the next step's
+                metrics |= evaluate_now(run, eval_args)
             trained_rows = {"trained_rows": [g.row["_index"] for g in groups]}  # stream indices
             log_step(run, metrics, sandbox_mode | trained_rows, groups, logged, traced)  # sandbox_mode: once
             sandbox_mode = {}
-            if nonfinite and run.nonfinite_in_row >= args.max_nonfinite_steps:  # 0: the first stops
+            if too_many:
                 run.last_saved = run.step
                 raise NonFiniteSteps(
-                    f"{run.nonfinite_in_row} non-finite steps in a row (--max-nonfinite-steps), last: "
+                    f"{run.nonfinite.in_row} non-finite steps in a row (--max-nonfinite-steps), last: "
                     f"{nonfinite}; checkpoint of the last finite weights: {save(run)}"
                 )
             if run.step % args.save_every == 0:

@@ -7,6 +7,9 @@ the gathers of a weight sync, a re-score or a checkpoint. train_async_grpo.py de
 import argparse
 import functools
 import math
+import os
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -113,6 +116,54 @@ def free_memory(device: torch.device, freed_later: float = 0.0) -> int | None:
     return int(kib[0] * 1024 + freed_later) if kib else None
 
 
+def model_problem(model: str) -> str | None:
+    """None when `model` is a directory holding a model, or a hub name that is in the local cache or, with
+    a network, on the hub (from_pretrained would download it); else the one line that says what is
+    wrong (--model's, before anything starts: not a traceback from deep inside transformers)."""
+    if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            return f"{model} has no config.json (a directory written by save_pretrained)"
+        return None
+    from huggingface_hub import HfApi, constants, try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
+
+    try:
+        cached = try_to_load_from_cache(model, "config.json")
+    except HFValidationError:
+        return f"{model} does not exist (a model directory, or a hub name like Qwen/Qwen3-0.6B)"
+    if isinstance(cached, str):
+        return None
+    where = f"no directory {model}, and it is not in the Hugging Face cache ({constants.HF_HUB_CACHE})"
+    if constants.HF_HUB_OFFLINE:
+        return f"{where}; HF_HUB_OFFLINE is set: download it first (`hf download {model}`)"
+    try:
+        HfApi().model_info(model, timeout=10)
+    except RepositoryNotFoundError:
+        return f"{where} nor on the hub (private? `hf auth login` first)"
+    except Exception as e:  # no network: the client's own error type varies with the transport
+        return f"{where}, and the hub cannot be reached ({e}): download it where there is a network"
+    return None
+
+
+def lr_lambda(step: int, warmup: int, total: int, schedule: str) -> float:
+    """The learning-rate factor at `step`: linear warm-up, then constant or cosine to 0 at `total`."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    if schedule == "cosine":
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return 1.0
+
+
+def make_optimizer(model, args: argparse.Namespace) -> tuple[torch.optim.Optimizer, object]:
+    """AdamW over the (fp32) parameters and its --lr-schedule after --warmup-steps."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_lambda(s, args.warmup_steps, args.max_steps, args.lr_schedule)
+    )
+    return optimizer, scheduler
+
+
 def load_tokenizer(args: argparse.Namespace, ckpt: Path | None, episode) -> tuple[object, ChatTemplate]:
     """(tokenizer, chat template): the checkpoint's or the model's tokenizer, --chat-template if given,
     and the tools of `episode` (an env's tools are the same for every row)."""
@@ -136,8 +187,9 @@ def train_step(
     clip inert); with N > 1 one no-grad pass before the first step, so later mini-batches are clipped
     against the policy that existed before the update. The scheduler steps once per call.
     Returns the train/ metrics of the whole batch (fractions over all its tokens; loss and grad norm
-    the mean over mini-batches). Sequences carrying a "trace" key (the completions logged this step) get
-    their π_old (detached) in `traced` on rank 0, keyed by it."""
+    the mean over the mini-batches that ran: a non-finite one ends the step, and is not applied).
+    Sequences carrying a "trace" key (the completions logged this step) get their π_old (detached) in
+    `traced` on rank 0, keyed by it."""
     # bf16 compute over fp32 weights: autocast runs the matmuls in bf16, the gradients land on the fp32
     # parameters, AdamW updates fp32 (a 1e-6 step is far below half a bf16 ulp: bf16 weights would not
     # move). Under FSDP2 the MixedPrecisionPolicy (shard_model) casts the gathered weights as well.
@@ -210,8 +262,9 @@ def train_step(
         if traced is not None:
             traced.update(gathered)
     ntok = max(sums.get("tokens", 0.0), 1.0)
+    ran = len(grad_norms)  # mini-batches forwarded: a non-finite one ends the step (not applied)
     return {
-        "train/loss": sums["loss"] / n_mini,
+        "train/loss": sums["loss"] / ran,
         "train/clip_low_frac": sums["clip_low"] / ntok,
         "train/clip_high_frac": sums["clip_high"] / ntok,
         "train/is_ratio_mean": sums["is_ratio"] / ntok,
@@ -224,7 +277,7 @@ def train_step(
         "train/lr": lr,
         "train/loss_tokens": sums["tokens"],
         "train/micro_batches": float(sum(len(b) for b in mini_bins)),
-        "train/optimizer_steps": float(n_mini),
+        "train/optimizer_steps": float(ran - bool(nonfinite)),
         "nonfinite": nonfinite,  # "" or what was non-finite: the loop pops it (train/nonfinite_steps)
     }
 
@@ -247,6 +300,32 @@ def score(model, mb: dict, sampling: Sampling, bf16: bool, with_entropy: bool = 
 # ---------------------------------------------------------------------------------------------------
 class NonFiniteWeights(RuntimeError):
     """Weights non-finite after an AdamW step: raised on every rank (the check is reduced over them)."""
+
+
+class NonFiniteSteps(RuntimeError):
+    """--max-nonfinite-steps non-finite steps in a row: the run stops (exit 1) with a checkpoint."""
+
+
+@dataclass
+class NonFiniteCount:
+    """The steps train_step did not apply (a non-finite loss or gradient): all of them
+    (train/nonfinite_steps), and the run of them that ends at the latest step."""
+
+    total: int = 0
+    in_row: int = 0
+
+    def record(self, what: str, step: int, limit: int) -> bool:
+        """After every step, with its train_step "nonfinite" ("" when the step was applied): counts it and
+        names it on stderr. True when it makes `limit` in a row (--max-nonfinite-steps; 0: the first)."""
+        if not what:
+            self.in_row = 0
+            return False
+        self.total, self.in_row = self.total + 1, self.in_row + 1
+        print(
+            f"\nstep {step}: non-finite {what}; update not applied, nothing synced ({self.in_row} in a row, "
+            f"the run stops at {limit})", file=sys.stderr, flush=True,
+        )  # fmt: skip
+        return self.in_row >= limit
 
 
 def _finite(t: torch.Tensor) -> torch.Tensor:

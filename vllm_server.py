@@ -42,6 +42,15 @@ vllm.v1.engine.utils.get_mp_context = lambda: multiprocessing.get_context("fork"
 runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
 """
 
+# The values vLLM's `--max-lora-rank` accepts (vllm/config/lora.py, MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest `--max-lora-rank` vLLM accepts that holds adapters of rank `rank`."""
+    return min(r for r in VLLM_LORA_RANKS if r >= rank)
+
+
 # Engine processes started by this Python process; killed at exit even if the caller forgot.
 _live_servers: list["VLLMServer"] = []
 
@@ -253,6 +262,8 @@ def start_vllm_server(
     kv_cache_gib: int = 1,
     seed: int = 0,
     cpus: str | None = None,
+    lora_rank: int = 0,
+    lora_slots: int = 1,
     extra_args: list[str] | None = None,
     log_dir: str | Path | None = None,
     wait: bool = True,
@@ -270,6 +281,8 @@ def start_vllm_server(
     hosts can reach (or 0.0.0.0) for a server that trainers elsewhere use through --vllm-url.
     `cpus` ('0', '2-5'): every process of the server runs there (taskset: the API server and the engine
     core are busy Python processes too), and on CPU its OMP threads bind to them.
+    `lora_rank` > 0: LoRA on, adapters up to that rank loaded at run time (lora.py), `lora_slots` of them
+    in one batch (every version a request in flight may name: --max-staleness + 2).
     """
     port = port or free_port()
     on_gpu = torch.cuda.is_available()
@@ -307,8 +320,13 @@ def start_vllm_server(
         # use offset", when it rewinds the generator for the discarded token); with chunked prefill off
         # and room for a whole prompt per step, no prefill is ever chunked.
         cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len, 2048))]
+    if lora_rank > 0:
+        max_rank = vllm_max_lora_rank(lora_rank)
+        cmd += ["--enable-lora", "--max-loras", str(lora_slots), "--max-lora-rank", str(max_rank)]
     cmd += extra_args or []
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
+    if lora_rank > 0:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # the /v1/load_lora_adapter route
     # Started by a torchrun rank, the server must not take itself for one (vLLM reads RANK etc.).
     for k in [k for k in env if k.startswith("TORCHELASTIC_") or k in TORCHRUN_VARS]:
         del env[k]

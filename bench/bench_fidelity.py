@@ -2,10 +2,10 @@
 
     python bench/bench_fidelity.py [--model models/tiny-warm] [--repeats 5] [--out bench/results.json]
 
-One real vLLM server on the model; the check is what train_async_grpo.verify_after_sync runs for each
+One real vLLM server on the model; the check is what fidelity.check_after_sync runs for each
 server after a sync: the probe's PER_SYNC_PROMPTS (1) seeded PER_SYNC_TOKENS (32)-token completions
 with their top-20 logprobs (rollout.probe, run request only) re-scored by the trainer
-(sampling.verify_server). The step is one train_step on a batch of the default shape
+(fidelity.verify_server). The step is one train_step on a batch of the default shape
 (--prompts-per-step 8 × --num-generations 8 sequences of ~300 tokens, random ids: the cost does not
 depend on them). Both medians over --repeats, in the same run; the figure is their ratio. Prints one
 JSON object; with --out it is merged into that file.
@@ -30,9 +30,8 @@ from bench.results import merge_results  # noqa: E402
 from chat_format import ChatTemplate  # noqa: E402
 from envs import episode_maker  # noqa: E402
 from envs.data import load_rows  # noqa: E402
-from rollout import probe  # noqa: E402
-from sampling import Sampling, verify_server  # noqa: E402
-from train_async_grpo import PER_SYNC_PROMPTS, PER_SYNC_TOKENS  # noqa: E402
+from fidelity import PER_SYNC_PROMPTS, PER_SYNC_TOKENS, probe, verify_server  # noqa: E402
+from sampling import Sampling  # noqa: E402
 from trainer import train_step  # noqa: E402
 from vllm_server import start_vllm_server  # noqa: E402
 

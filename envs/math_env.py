@@ -63,11 +63,11 @@ def last_answer(text: Any) -> str | None:
     if boxed is not None:
         found.append((box, boxed))
     for pattern, gsm8k in ((_ANSWER_LINE, False), (_GSM8K_LINE, True)):
-        match = None
-        for match in pattern.finditer(text):
+        last = None
+        for last in pattern.finditer(text):  # noqa: B007 (the loop only finds the last match)
             pass
-        if match is not None and match.group(1):
-            found.append((match.start(), _clean(match.group(1), gsm8k)))
+        if last is not None and last.group(1):
+            found.append((last.start(), _clean(last.group(1), gsm8k)))
     return max(found)[1] if found else None
 
 

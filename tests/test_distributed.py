@@ -68,6 +68,7 @@ def test_the_start_up_probe_uses_the_bf16_bound_when_either_side_is_bf16(
     """`--compute-dtype fp32` on GPU: the launched servers serve bf16, so the probe must allow bf16's
     gap (it held the fp32 trainer to the fp32 bound and refused every such run). On CPU both sides are
     fp32: the tight bound. start_rollouts on a mocked box, servers and sync recorded, not run."""
+    import fidelity
     import train_async_grpo as T
 
     probed = []
@@ -78,8 +79,10 @@ def test_the_start_up_probe_uses_the_bf16_bound_when_either_side_is_bf16(
     monkeypatch.setattr(T, "write_servers_file", lambda *a: None)
     monkeypatch.setattr(T, "WeightSyncer", lambda *a, **k: SimpleNamespace(init=lambda: None))
     monkeypatch.setattr(T, "sync_weights", lambda *a, **k: {})
-    monkeypatch.setattr(T, "probe", lambda *a: [])
-    monkeypatch.setattr(T, "verify_server", lambda url, samples, model, bf16, *a: probed.append(bf16) or {})
+    monkeypatch.setattr(fidelity, "probe", lambda *a: [])
+    monkeypatch.setattr(
+        fidelity, "verify_server", lambda url, samples, model, bf16, *a: probed.append(bf16) or {}
+    )
     gaps = ("fidelity/max_abs_diff", "fidelity/mismatch_kl", "fidelity/bare_top_rms_diff")
     monkeypatch.setattr(T, "worst_gaps", lambda per_server: dict.fromkeys(gaps, 0.0))
     monkeypatch.setattr(T.signal, "signal", lambda *a: None)
@@ -92,10 +95,13 @@ def test_the_start_up_probe_uses_the_bf16_bound_when_either_side_is_bf16(
         version=0,
         world_size=1,
         position=StreamPosition(),
-        worker=SimpleNamespace(build=lambda *a: None),
+        worker=SimpleNamespace(
+            build=lambda *a: None, start=lambda: None, client=SimpleNamespace(expected_version=None)
+        ),
+        step=0,
     )
     template = SimpleNamespace(prompt_ids=lambda messages: [1, 2])
-    T.start_rollouts(run, ["0"], template, lambda row: SimpleNamespace(messages=[]), [{}], "cpu", None)
+    T.start_rollouts(run, ["0"], template, lambda row: SimpleNamespace(messages=[]), [{}], [], "cpu", None)
     assert probed == [bf16_bound]
 
 

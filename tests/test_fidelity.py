@@ -9,6 +9,7 @@ import json
 import time
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,8 +19,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from chat_format import ChatTemplate
 from envs import episode_maker
 from envs.data import load_rows
-from rollout import GenerationError, VLLMClient, probe
-from sampling import FidelityError, Sampling, verify_server
+from fidelity import FidelityError, check_after_sync, probe, verify_server
+from rollout import GenerationError, VLLMClient
+from sampling import Sampling
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -72,7 +74,7 @@ def test_a_repetition_penalty_is_refused_in_bf16_and_fp32_and_a_faithful_server_
 
 
 # ---------------------------------------------------------------------------------------------------
-# the per-sync check (train_async_grpo.verify_after_sync) on real servers and a real weight sync
+# the per-sync check (fidelity.check_after_sync) on real servers and a real weight sync
 # ---------------------------------------------------------------------------------------------------
 def _post(url: str, path: str, body: dict | None = None) -> dict:
     req = urllib.request.Request(
@@ -91,7 +93,7 @@ def _weight_version(url: str) -> str:
 def test_per_sync_check_resyncs_a_server_given_other_weights_and_takes_out_one_that_stays_out(
     trainer_server, own_servers, served_model, tiny_model, tmp_path, capsys
 ):
-    from train_async_grpo import Run, parser, verify_after_sync
+    from train_async_grpo import Run, parser
     from trainer import sync_weights
     from weight_sync import WeightSyncer
 
@@ -112,8 +114,10 @@ def test_per_sync_check_resyncs_a_server_given_other_weights_and_takes_out_one_t
         finally:
             sampled.append((url, t0, time.monotonic()))
 
-    run.sample = sample
-    run.verify = lambda url, samples: verify_server(url, samples, model, False, 1, cpu)
+    run.prober = SimpleNamespace(
+        sample=sample, verify=lambda url, samples: verify_server(url, samples, model, False, 1, cpu), seed=0,
+        model=model, world_size=1,
+    )  # fmt: skip
     try:
         sync_weights(run.syncer, model, 1)
         # Behind the trainer's back: the server loads other weights (the random base model) from disk,
@@ -125,7 +129,7 @@ def test_per_sync_check_resyncs_a_server_given_other_weights_and_takes_out_one_t
         )
         assert _weight_version(good.url) == "1"
         with pytest.raises(FidelityError, match="another distribution"):
-            run.verify(good.url, run.sample(good.url, False))
+            run.prober.verify(good.url, run.prober.sample(good.url, False))
         # A client routing by our version keeps requests in flight on the server that stays out, as
         # the rollout worker does, while the check runs.
         # A request that reaches it after the pause waits there (vLLM queues it) until its timeout.
@@ -149,7 +153,7 @@ def test_per_sync_check_resyncs_a_server_given_other_weights_and_takes_out_one_t
             busy = asyncio.gather(*(keep_busy() for _ in range(4)))  # always some in flight
             try:
                 sampled.clear()
-                metrics = await asyncio.to_thread(verify_after_sync, run)
+                metrics = await asyncio.to_thread(check_after_sync, run.prober, run.syncer, 1, 1)
                 await asyncio.wait_for(busy, timeout=60)  # the abort takes it out of routing
                 await asyncio.sleep(3)  # the client probes a down server every second: not readmitted
                 return metrics
@@ -185,7 +189,7 @@ def test_vllm_minus_9999_is_read_as_minus_inf():
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
     from vllm.logprobs import Logprob
 
-    from sampling import ProbeSample, check_fidelity
+    from fidelity import ProbeSample, check_fidelity
 
     serving = types.SimpleNamespace(  # the two attributes the serializer reads of its server
         return_tokens_as_token_ids=True, _get_decoded_token=OpenAIServingCompletion._get_decoded_token
@@ -208,7 +212,8 @@ def _as_served(model, prompts: list[list[int]], n_tokens: int, sampling: Samplin
     """ProbeSamples as a server holding `model`'s weights returns them: greedy completions with their
     processed logprobs and each position's TOP_N (vLLM's fp32 logprobs equal a transformers forward to
     1e-5: README's fidelity section)."""
-    from sampling import TOP_N, ProbeSample, processed_logits
+    from fidelity import TOP_N, ProbeSample
+    from sampling import processed_logits
 
     samples = []
     for p in prompts:
@@ -228,7 +233,8 @@ def test_a_server_one_adamw_step_behind_is_refused_in_fp32(tiny_model):
     """The fp32 bound (1e-3) against a realistic fault between it and ten times it: a server that missed
     one AdamW step at lr 3e-6 (a lost sync) samples with logprobs 3.8e-3 off at most (the random tiny
     model; its noise in fp32 is ~1e-6). A bound loosened to 1e-2 lets it through."""
-    from sampling import FP32_MAX_ABS_DIFF, check_fidelity, rescore
+    from fidelity import FP32_MAX_ABS_DIFF, check_fidelity
+    from sampling import rescore
 
     torch.manual_seed(0)
     stale = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
@@ -252,7 +258,8 @@ def test_a_top_n_entry_that_differs_is_refused_when_the_sampled_tokens_agree(tin
     """A peaked model samples its top token, whose logprob barely moves when the server's tail differs (a
     penalty, another temperature): the max covers each position's TOP_N too. Here every sampled token's
     logprob agrees exactly and one TOP_N entry is 0.01 nats off."""
-    from sampling import check_fidelity, rescore
+    from fidelity import check_fidelity
+    from sampling import rescore
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     samples = _as_served(model, [[1, 2, 3, 4, 5, 6]], 8, Sampling())

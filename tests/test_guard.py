@@ -76,6 +76,9 @@ def test_a_nonfinite_loss_leaves_weights_and_adamw_state_untouched(tiny_model, t
         for k, v in optimizer.state[p].items():
             assert torch.equal(v, state[id(p)][k]), f"AdamW's {k} absorbed a non-finite step"
     assert all(p.grad is None for p in model.parameters())  # zeroed: nothing left for the next step
+    # With two mini-batches the first is non-finite: no optimizer step ran, and the metrics say so.
+    two = T.train_step(model, ref, optimizer, scheduler, _seqs(), _args(mini_batches=2), 0, 1, cpu)
+    assert two["nonfinite"].startswith("mini-batch 1/2: loss nan") and two["train/optimizer_steps"] == 0.0
     # And the next finite step trains as usual.
     assert T.train_step(model, model, optimizer, scheduler, _seqs(), _args(), 0, 1, cpu)["nonfinite"] == ""
     assert not torch.equal(model.state_dict()[NAN_AT], weights[NAN_AT])
@@ -99,7 +102,8 @@ def test_nonfinite_weights_after_the_step_stop_the_run_naming_the_parameter(tiny
 
 def _resume_point(model_dir: Path, out: Path) -> Path:
     """A step-0 checkpoint of `model_dir` (the run resumes its policy from here): what a run saves."""
-    from train_async_grpo import make_optimizer, parser
+    from train_async_grpo import parser
+    from trainer import make_optimizer
 
     args = parser.parse_args(["--model", str(model_dir)])
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -140,3 +144,15 @@ def test_nonfinite_steps_are_not_applied_nor_synced_and_k_in_a_row_stop_the_run(
     saved = out / "checkpoints" / "step_000002" / "model.safetensors"
     before, after = load_file(ckpt / "model.safetensors"), load_file(saved)
     assert all(torch.equal(before[k], after[k]) for k in before), "the weights moved"
+
+
+def test_the_limit_counts_non_finite_steps_in_a_row_not_all_of_them(capsys):
+    """--max-nonfinite-steps 2: isolated non-finite steps, however many, never stop the run; two in a row
+    do. Each is counted (train/nonfinite_steps) and named once."""
+    count = T.NonFiniteCount()
+    steps = ["loss nan", "", "loss nan", "", "grad norm inf", ""]
+    assert [count.record(what, k + 1, limit=2) for k, what in enumerate(steps)] == [False] * 6
+    assert (count.total, count.in_row) == (3, 0)
+    assert count.record("loss nan", 7, limit=2) is False and count.record("loss nan", 8, limit=2) is True
+    assert count.total == 5 and capsys.readouterr().err.count("update not applied") == 5
+    assert T.NonFiniteCount().record("loss nan", 1, limit=0) is True  # 0: the first stops the run

@@ -12,7 +12,7 @@ import pytest
 import train_async_grpo
 from envs.confine import ROLLOUT_CPUS_ENV
 from envs.data import load_rows
-from rollout_process import RolloutProcess
+from rollout_process import RolloutProcess, build_worker
 
 REPO = train_async_grpo.Path(__file__).resolve().parent.parent
 
@@ -38,7 +38,7 @@ def test_the_trainers_interface_over_the_process_boundary(vllm_server, served_mo
     # The trainer's own builder; one group per version, no staleness: a group is admitted only once the
     # trainer reached the next version, or discarded one.
     build = functools.partial(
-        train_async_grpo.rollout_worker, _args(served_model), None, [vllm_server.url], str(served_model),
+        build_worker, _args(served_model), None, [vllm_server.url], str(served_model),
         rows, 0, [], 0, "envs.retool",
     )  # fmt: skip
     version = {"v": 0}

@@ -15,18 +15,16 @@ from conftest import side_by_side
 from transformers import AutoModelForCausalLM
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
-from rollout import VLLMClient, probe
+from fidelity import FidelityError, check_fidelity, probe, verify_server
+from rollout import VLLMClient
 from sampling import (
-    FidelityError,
     Sampling,
-    check_fidelity,
     processed_logits,
     request_seed,
     rescore,
     streamed_logprobs,
     token_logprobs,
     token_logprobs_and_entropy,
-    verify_server,
 )
 
 REPO = Path(__file__).resolve().parent.parent

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import train_async_grpo as T
+import trainer
 from batches import BatchTimeout, collate, collect_groups, pack, row_stream
 from checkpoint import param_checksum
 from distributed import describe_plan, init_distributed, plan_devices, shard_model
@@ -185,10 +186,10 @@ def test_row_stream_resumes_where_it_left_off():
 
 
 def test_lr_schedule():
-    assert T.lr_lambda(0, 4, 10, "constant") == pytest.approx(0.2)
-    assert T.lr_lambda(4, 4, 10, "constant") == 1.0
-    assert T.lr_lambda(10, 0, 10, "cosine") == pytest.approx(0.0, abs=1e-9)
-    assert T.lr_lambda(5, 0, 10, "cosine") == pytest.approx(0.5)
+    assert trainer.lr_lambda(0, 4, 10, "constant") == pytest.approx(0.2)
+    assert trainer.lr_lambda(4, 4, 10, "constant") == 1.0
+    assert trainer.lr_lambda(10, 0, 10, "cosine") == pytest.approx(0.0, abs=1e-9)
+    assert trainer.lr_lambda(5, 0, 10, "cosine") == pytest.approx(0.5)
 
 
 # ---------------------------------------------------------------------------------------------------

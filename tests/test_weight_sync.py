@@ -253,7 +253,8 @@ def test_a_request_running_through_a_sync_goes_on_from_the_new_weights_alone(ser
 
 def test_sync_tied_embeddings(server_tied):
     # vLLM's CPU backend pre-packs the lm_head GEMM at load; a tied lm_head receives no weight of its
-    # own in a sync, so without `weight_sync_server._repack_cpu_embedding_gemms` its logits come from the old embedding.
+    # own in a sync, so without `weight_sync_server._repack_cpu_embedding_gemms` its logits come from the
+    # old embedding.
     model = load_trainer_model("tiny-tied")
     assert model.config.tie_word_embeddings
     assert "lm_head.weight" not in dict(model.named_parameters())  # one shared tensor
@@ -829,7 +830,7 @@ def test_the_version_moves_before_the_per_sync_check_and_a_recheck_draws_a_new_s
     the check are on it); a server whose first check trips the bound is re-synced and checked with
     another seed, so the same bf16 noise does not take a healthy server out."""
     import train_async_grpo as T
-    from sampling import FidelityError
+    from fidelity import FidelityError
 
     servers = [FakeServer()]
     syncer, _ = fake_syncer("gloo", servers)
@@ -848,8 +849,9 @@ def test_the_version_moves_before_the_per_sync_check_and_a_recheck_draws_a_new_s
         return {"fidelity/max_abs_diff": 1e-4}
 
     run = SimpleNamespace(args=args, step=1, version=0, servers=[], out_dir=tmp_path, syncer=syncer,
-                          model=torch.nn.Linear(2, 2), world_size=1, worker=worker, sample=sample,
-                          verify=verify)  # fmt: skip
+                          model=torch.nn.Linear(2, 2), world_size=1, worker=worker,
+                          prober=SimpleNamespace(sample=sample, verify=verify, seed=args.seed,
+                                                 model=torch.nn.Linear(2, 2), world_size=1))  # fmt: skip
     (tmp_path / "vllm-logs").mkdir()
     metrics = T.sync_if_due(run)
     assert events[0] == ("version", 1), events

