@@ -109,6 +109,7 @@ bench: install tiny-model
 	$(PY) bench/bench_async.py --out bench/results.json
 	$(PY) bench/bench_rollout.py --out bench/results.json
 	$(PY) bench/bench_weight_sync.py --widen 8 --out bench/results.json
+	$(PY) bench/bench_lora_sync.py --out bench/results.json
 	$(PY) bench/bench_sandbox.py --out bench/results.json
 	$(PY) bench/bench_packing.py --out bench/results.json
 	$(PY) bench/bench_trainer.py --out bench/results.json
