@@ -301,6 +301,46 @@ def _one_row(name: str, query: torch.Tensor, key: torch.Tensor, position_ids) ->
         )
 
 
+# What a model's attention may do that the packed attentions do not apply (each would train it with another
+# attention than vLLM serves): refused, never ignored.
+UNAPPLIED = {
+    "sliding_window": "a sliding window",
+    "softcap": "logit soft-capping",
+    "s_aux": "attention sinks",
+}
+
+
+def unapplied_attention(config, max_context: int) -> str | None:
+    """What of `config`'s attention (a transformers config) the trainer's packed attention would not
+    apply to sequences of up to `max_context` tokens, as the one line that says so; None if nothing. A
+    sliding window at least as long as every sequence changes nothing."""
+    layer_types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    windowed = "sliding_attention" in layer_types if layer_types else window is not None
+    if windowed and window is not None and window < max_context:
+        what = f"{UNAPPLIED['sliding_window']} of {window} tokens (shorter than --max-context {max_context})"
+    elif getattr(config, "attn_logit_softcapping", None) is not None:
+        what = UNAPPLIED["softcap"]
+    elif config.model_type == "gpt_oss":
+        what = UNAPPLIED["s_aux"]
+    else:
+        return None
+    return (
+        f"its attention uses {what}, which the trainer's packed attention ({PER_SEQUENCE_SDPA}, "
+        f"{PACKED_VARLEN}) does not apply: it would train another attention than vLLM serves. Use a model "
+        "without it, or load it with attn_implementation='flash_attention_2' (trainer.load_models)"
+        + (", or keep --max-context within the window" if "window" in what else "")
+    )
+
+
+def _applies(name: str, kwargs: dict, longest: int) -> None:
+    """The forward-time guard behind unapplied_attention (a model loaded around the start-up check)."""
+    window = kwargs.get("sliding_window")
+    for key, what in UNAPPLIED.items():
+        if kwargs.get(key) is not None and not (key == "sliding_window" and window >= longest):
+            raise ValueError(f"{name} does not apply {what} ({key}={kwargs[key]!r}): see unapplied_attention")
+
+
 def per_sequence_sdpa(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -321,6 +361,7 @@ def per_sequence_sdpa(
     a padding mask would be dropped, not applied)."""
     _one_row(PER_SEQUENCE_SDPA, query, key, position_ids)
     lengths = seq_lengths or sequence_lengths(position_ids)
+    _applies(PER_SEQUENCE_SDPA, kwargs, max(lengths))
     gqa = key.shape[1] != query.shape[1]
     parts = [
         F.scaled_dot_product_attention(
@@ -358,6 +399,7 @@ def packed_varlen(
     if cu_seq_lens_q is None:  # a forward without collate's kwargs (one sequence, a test)
         found = attention_kwargs(sequence_lengths(position_ids), query.device)
         cu_seq_lens_q, max_length_q = found["cu_seq_lens_q"], found["max_length_q"]
+    _applies(PACKED_VARLEN, kwargs, max_length_q)
     q, k, v = (t[0].transpose(0, 1).to(torch.bfloat16) for t in (query, key, value))  # (T, H, D)
     out = varlen_attn(
         q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling,

@@ -228,7 +228,7 @@ def check_args(args: argparse.Namespace) -> None:
             )
     if args.chat_template and not os.path.isfile(args.chat_template):
         parser.error(f"--chat-template: {args.chat_template} does not exist (a jinja file)")
-    if why := model_problem(args.model):
+    if why := model_problem(args.model, args.max_context):
         parser.error(f"--model: {why}")
     if args.resume not in (None, "latest") and not os.path.isdir(args.resume):
         parser.error(f"--resume: {args.resume} is not a checkpoint directory")

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from batches import collate, pack, packed_attention
+from batches import collate, pack, packed_attention, unapplied_attention
 from chat_format import ChatTemplate
 from checkpoint import param_checksum, save_checkpoint
 from distributed import broadcast_message, gather_traced, rank_micro_batches, reduce_over_ranks, shard_model
@@ -116,14 +116,15 @@ def free_memory(device: torch.device, freed_later: float = 0.0) -> int | None:
     return int(kib[0] * 1024 + freed_later) if kib else None
 
 
-def model_problem(model: str) -> str | None:
+def model_problem(model: str, max_context: int) -> str | None:
     """None when `model` is a directory holding a model, or a hub name that is in the local cache or, with
-    a network, on the hub (from_pretrained would download it); else the one line that says what is
+    a network, on the hub (from_pretrained would download it), whose attention the packed attention
+    applies (batches.unapplied_attention) up to `max_context` tokens; else the one line that says what is
     wrong (--model's, before anything starts: not a traceback from deep inside transformers)."""
     if os.path.isdir(model):
         if not os.path.isfile(os.path.join(model, "config.json")):
             return f"{model} has no config.json (a directory written by save_pretrained)"
-        return None
+        return _attention_problem(model, max_context)
     from huggingface_hub import HfApi, constants, try_to_load_from_cache
     from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
 
@@ -132,7 +133,7 @@ def model_problem(model: str) -> str | None:
     except HFValidationError:
         return f"{model} does not exist (a model directory, or a hub name like Qwen/Qwen3-0.6B)"
     if isinstance(cached, str):
-        return None
+        return _attention_problem(os.path.dirname(cached), max_context)
     where = f"no directory {model}, and it is not in the Hugging Face cache ({constants.HF_HUB_CACHE})"
     if constants.HF_HUB_OFFLINE:
         return f"{where}; HF_HUB_OFFLINE is set: download it first (`hf download {model}`)"
@@ -143,6 +144,14 @@ def model_problem(model: str) -> str | None:
     except Exception as e:  # no network: the client's own error type varies with the transport
         return f"{where}, and the hub cannot be reached ({e}): download it where there is a network"
     return None
+
+
+def _attention_problem(model_dir: str, max_context: int) -> str | None:
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except (ValueError, OSError, KeyError) as e:  # a config.json transformers cannot read
+        return f"{model_dir}/config.json does not load ({e})"
+    return unapplied_attention(config, max_context)
 
 
 def lr_lambda(step: int, warmup: int, total: int, schedule: str) -> float:

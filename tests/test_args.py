@@ -77,7 +77,14 @@ def test_each_bad_argument_is_one_line_and_no_traceback(tmp_path, tiny_model):
     (tmp_path / "empty.jsonl").write_text("\n")
     (tmp_path / "garbled.jsonl").write_text('{"question": "1+1?", "answer": "2"}\nnot json\n')
     (tmp_path / "a-file").write_text("")
+    windowed = tmp_path / "windowed"  # the tiny model's config with a 64-token sliding window
+    windowed.mkdir()
+    config = json.loads((tiny_model / "config.json").read_text())
+    config |= {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0}
+    config.pop("layer_types", None)
+    (windowed / "config.json").write_text(json.dumps(config))
     cases = [  # (extra arguments, exit code, what the line must say)
+        (["--model", str(windowed)], 2, "its attention uses a sliding window of 64 tokens (shorter than"),
         (["--model", "/nonexistent"], 2, "--model: /nonexistent does not exist"),
         (["--model", "no-such-org-x1/no-such-model-x1"], 2, "not in the Hugging Face cache"),
         (["--model", str(REPO / "data")], 2, "has no config.json"),

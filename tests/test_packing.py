@@ -178,3 +178,29 @@ def test_varlen_logprobs_and_gradients_equal_one_sequence_at_a_time_on_gpu(tiny_
     for (name, p), q in zip(packed.named_parameters(), plain.parameters()):
         scale = q.grad.abs().max()
         assert (p.grad - q.grad).abs().max() <= 0.05 * scale + 1e-6, name
+
+
+def test_an_attention_the_packed_attention_does_not_apply_is_refused(tiny_model):
+    """A sliding window shorter than the sequences, logit soft-capping, attention sinks: the per-sequence
+    attention would silently train full attention where vLLM serves the model's own. Refused at start-up
+    from the config, and in the forward of a model loaded around that check; a window longer than every
+    sequence changes nothing and passes."""
+    from transformers import AutoConfig, Gemma2Config, GptOssConfig
+
+    from batches import unapplied_attention
+
+    config = AutoConfig.from_pretrained(tiny_model)
+    assert unapplied_attention(config, 2048) is None
+    config.use_sliding_window, config.sliding_window, config.max_window_layers = True, 8, 0
+    config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+    assert "a sliding window of 8 tokens" in unapplied_attention(config, 2048)
+    assert unapplied_attention(config, 8) is None
+    assert "logit soft-capping" in unapplied_attention(Gemma2Config(sliding_window=4096), 2048)
+    assert "attention sinks" in unapplied_attention(GptOssConfig(sliding_window=4096), 2048)
+
+    packed_attention(torch.device("cpu"), "fp32")  # registers it
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=PER_SEQUENCE_SDPA)
+    ids, positions = torch.arange(1, 13)[None], torch.cat([torch.arange(6), torch.arange(6)])[None]
+    token_logprobs(model, ids, positions, Sampling())  # sequences of 6 within the window of 8: applies
+    with pytest.raises(ValueError, match="does not apply a sliding window"):
+        token_logprobs(model, ids, torch.arange(12)[None], Sampling())  # one of 12: it would not
