@@ -63,7 +63,7 @@ async def probe_server(
     """Seeded samples of `prompts`, by kind: "run" (the run's request fields) and, with `bare`, "bare" (a
     request stating only the temperature) and "twin" (every field stated at that temperature: the
     bare one's noise reference). `generate(prompt_ids, max_tokens, fields)`: one completion with its
-    logprobs (rollout.VLLMClient.generate; rollout.probe passes it, so this module imports nothing of
+    logprobs (rollout.VLLMClient.generate; `probe` below passes it, so this function needs nothing of
     the rollout side)."""
     at_bare = Sampling(temperature=BARE_TEMPERATURE)
     kinds = {"run": (sampling.request_fields(), sampling)}
@@ -154,7 +154,7 @@ def check_fidelity(
 def verify_server(
     url: str, samples: dict[str, list[ProbeSample]], model, bf16: bool, world_size: int, device
 ) -> dict[str, float]:
-    """Re-score one server's probe samples (rollout.probe) with the trainer's weights and check them:
+    """Re-score one server's probe samples (`probe`) with the trainer's weights and check them:
     FidelityError (naming the server, the gap and the likely causes) when they disagree. Under FSDP
     every rank joins the re-scoring forwards (rank 0 broadcasts the samples; the others answer in
     trainer.follow_rank0). `bf16`: either side computes in bf16."""

@@ -4,7 +4,7 @@
 
 One real vLLM server on the model; the check is what fidelity.check_after_sync runs for each
 server after a sync: the probe's PER_SYNC_PROMPTS (1) seeded PER_SYNC_TOKENS (32)-token completions
-with their top-20 logprobs (rollout.probe, run request only) re-scored by the trainer
+with their top-20 logprobs (fidelity.probe, run request only) re-scored by the trainer
 (fidelity.verify_server). The step is one train_step on a batch of the default shape
 (--prompts-per-step 8 × --num-generations 8 sequences of ~300 tokens, random ids: the cost does not
 depend on them). Both medians over --repeats, in the same run; the figure is their ratio. Prints one

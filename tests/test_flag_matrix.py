@@ -61,7 +61,7 @@ FLAGS = {
     "Y": ["--sync-every", "2", "--max-staleness", "2"],
     "Q": ["--chat-template", str(REPO / "tests" / "templates" / "qwen3.jinja"), "--max-calls-per-turn", "2"],
 }  # fmt: skip
-FP32_MAX_ABS_DIFF = 1e-3  # sampling.py's fp32 bound; measured ~1e-5
+FP32_MAX_ABS_DIFF = 1e-3  # fidelity.py's fp32 bound; measured ~1e-5
 
 
 def test_the_cases_cover_every_pair_of_options():
