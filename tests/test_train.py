@@ -310,14 +310,13 @@ DAPO_INSTRUCTION = (
 )  # DAPO-Math-17k's user prompt
 
 
-def test_two_steps_on_a_dapo_format_parquet_file(trainer_server, tmp_path):
-    """DAPO-Math-17k's layout (a chat-message prompt asking for an `Answer:` line, the gold answer in
-    reward_model.ground_truth) read from parquet: two steps train on its rows, and the reward reads the
-    `Answer:` line its prompt asks for (envs/math_env.last_answer)."""
+def _dapo_parquet(path: Path, n: int) -> list[dict]:
+    """The first `n` retool rows in DAPO-Math-17k's layout (a chat-message prompt asking for an `Answer:`
+    line, the gold answer in reward_model.ground_truth), written as parquet; returns the plain rows."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = [json.loads(x) for x in (REPO / "data" / "retool_train.jsonl").read_text().splitlines()[:8]]
+    rows = [json.loads(x) for x in (REPO / "data" / "retool_train.jsonl").read_text().splitlines()[:n]]
     dapo = [
         {
             "data_source": "math_dapo",
@@ -328,18 +327,8 @@ def test_two_steps_on_a_dapo_format_parquet_file(trainer_server, tmp_path):
         }
         for k, r in enumerate(rows)
     ]
-    pq.write_table(pa.Table.from_pylist(dapo), tmp_path / "dapo.parquet")
-    out = tmp_path / "run"
-    cmd = _cmd(out, 2, "--vllm-url", trainer_server.url, "--dataset", str(tmp_path / "dapo.parquet"))
-    cmd[cmd.index("--eval-every") + 1] = "0"
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in lines] == [1, 2] and all(math.isfinite(m["train/loss"]) for m in lines)
-    logged = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
-    assert logged and all("The last line of your response" in json.dumps(x) for x in logged)
-    ep = load_env("retool").make_episode(load_rows(str(tmp_path / "dapo.parquet"))[0])
-    assert ep.reward([{"role": "assistant", "content": f"So\nAnswer: {rows[0]['answer']}"}], []) == 1.0
+    pq.write_table(pa.Table.from_pylist(dapo), path)
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -656,13 +645,14 @@ def test_bf16_compute_logprobs_match_fp32(tiny_model):
 
 @pytest.mark.slow
 def test_two_ranks_under_torchrun(tmp_path):
-    """The real script on 2 CPU ranks (FSDP2 over gloo) with its own server: it finishes, logs every step,
-    syncs every step, stops its server, and checkpoints weights that both ranks trained. FSDP2 gives
-    rank r the r-th half of each parameter's rows and no rank holds a whole copy, so "the ranks agree"
-    means: each half moved (weight decay moves every weight each step) and the gathered checkpoint
-    is a loadable model."""
-    out = tmp_path / "run"
-    cmd = _cmd(out, 3, "--micro-batch-tokens", "256")
+    """The real script on 2 CPU ranks (FSDP2 over gloo) with its own server, on a DAPO-format parquet
+    dataset: it finishes, logs every step, syncs every step, stops its server, and checkpoints weights
+    that both ranks trained. FSDP2 gives rank r the r-th half of each parameter's rows and no rank holds
+    a whole copy, so "the ranks agree" means: each half moved (weight decay moves every weight each
+    step) and the gathered checkpoint is a loadable model."""
+    out, dapo = tmp_path / "run", tmp_path / "dapo.parquet"
+    rows = _dapo_parquet(dapo, 16)  # and DAPO-Math-17k's layout, from parquet
+    cmd = _cmd(out, 3, "--micro-batch-tokens", "256", "--dataset", str(dapo))
     cmd[1:2] = ["-m", "torch.distributed.run", "--nproc-per-node", "2", cmd[1]]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -678,6 +668,10 @@ def test_two_ranks_under_torchrun(tmp_path):
     assert state["step"] == 3 and "model.embed_tokens.weight" in state["optimizer"]["state"]
     start, trained = load_file(_model() / "model.safetensors"), load_file(ckpt / "model.safetensors")
     assert start.keys() == trained.keys()
+    logged = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
+    assert logged and all("The last line of your response" in json.dumps(x) for x in logged)  # DAPO's rows
+    ep = load_env("retool").make_episode(load_rows(str(dapo))[0])  # the `Answer:` line it asks for
+    assert ep.reward([{"role": "assistant", "content": f"So\nAnswer: {rows[0]['answer']}"}], []) == 1.0
     for k, w in trained.items():
         half = w.shape[0] // 2
         assert not torch.equal(w[:half], start[k][:half]) and not torch.equal(w[half:], start[k][half:]), k
