@@ -13,6 +13,7 @@ import asyncio
 import math
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -172,7 +173,7 @@ def worst_gaps(gaps: list[dict[str, float]]) -> dict[str, float]:
 
 def probe(
     url: str,
-    model_name: str,
+    model_name: str | Callable[[], str],
     prompts: list[list[int]],
     sampling: Sampling,
     seed: int,
@@ -209,7 +210,7 @@ class Prober:
     request, so the servers' run at once) and `verify` (the trainer re-scores them: every FSDP rank
     joins, so one server after another; FidelityError beyond the bound)."""
 
-    model_name: str
+    model_name: str | Callable[[], str]  # LoRA: the current version's adapter name
     prompts: list[list[int]]  # the first rows' prompts (start-up: all of them; after a sync: the first)
     sampling: Sampling
     seed: int

@@ -29,6 +29,8 @@ import copy
 import json
 import os
 import shutil
+import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable
@@ -40,6 +42,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from safetensors.torch import load_file
 
 from vllm_server import vllm_max_lora_rank
+from weight_sync import WeightSyncer, WeightSyncError, post
 
 # Every linear layer of attention and MLP in Qwen2/Qwen3/Llama: what `--lora-targets` defaults to, and
 # the modules vLLM serves LoRA on for these models (it packs q/k/v and gate/up; an adapter on a subset
@@ -66,6 +69,37 @@ def attach(
     for p in adapter_parameters(peft_model):
         p.data = p.data.float()
     return peft_model
+
+
+def attach_for_training(model: torch.nn.Module, args, ckpt: Path | None, world_size: int) -> PeftModel:
+    """trainer.load_models with `--lora-rank`: the adapter of --lora-rank/--lora-alpha/--lora-targets on
+    the base frozen in --compute-dtype, and a resumed checkpoint's adapter read into it."""
+    if world_size > 1:
+        sys.exit("--lora-rank: one trainer process only for now (FSDP with LoRA is not wired: docs/lora.md)")
+    base_dtype = torch.bfloat16 if args.compute_dtype == "bf16" else torch.float32
+    alpha = args.lora_alpha or 2 * args.lora_rank
+    model = attach(model, args.lora_rank, alpha, args.lora_targets.split(","), base_dtype)
+    if ckpt is not None:
+        read_adapter(model, ckpt)
+    return model
+
+
+def args_problem(args) -> str | None:
+    """None when --lora-rank/--lora-alpha/--lora-targets can be trained on --model (its config read, no
+    weights loaded), else the flag's one line: check_args's LoRA checks."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not 0 <= args.lora_rank <= 512 or args.lora_alpha < 0:
+        return f"--lora-rank must be in 0..512 and --lora-alpha ≥ 0, got {args.lora_rank}, {args.lora_alpha}"
+    if args.lora_rank == 0:
+        return None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model))
+    linear = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    missing = [t for t in args.lora_targets.split(",") if t not in linear]
+    if missing:
+        return f"--lora-targets: {', '.join(missing)} not linear layers of {args.model} ({sorted(linear)})"
+    return None
 
 
 def adapter_parameters(model: PeftModel) -> list[torch.nn.Parameter]:
@@ -215,3 +249,69 @@ def check_server(url: str, probe_path: Path, rank: int) -> None:
                 "readable at the same path (a server on another host: a shared filesystem)"
             )
         raise LoRAServerError(f"--lora-rank {rank}: vLLM server {url} {why}", e.status) from None
+
+
+# ---------------------------------------------------------------------------------------------------
+# THE SYNC: each version's adapter loaded on every server under its own name, no weights sent
+# ---------------------------------------------------------------------------------------------------
+class AdapterSyncer(WeightSyncer):
+    """The weight sync of a LoRA run, with WeightSyncer's per-server state (`urls`, `failed`,
+    `taken_out`, `version`, out_of_step / rejoin / take_out: a server that fails or restarts is handled
+    as in a full-weight run) but no transfer group: `groups` maps each joined server to the versions
+    loaded there. A sync writes the adapter (`write_adapter`), loads it as `v{version}` on each server,
+    sets the server's weight-version tag (what the rollout client and `out_of_step` read), and unloads
+    versions below the previous one: a turn that read the version just before the sync may still send
+    a request naming it; a request already sent keeps its adapter through the unload (docs/lora.md).
+    No pause and no KV reset: a new name never shares cached KV with another version. The directories
+    stay until the run ends: the engine reloads an adapter it evicted from its LRU from its path while a
+    request still uses it. Single-process trainers only (`rank` 0)."""
+
+    def __init__(self, urls: list[str], model: PeftModel, root: Path, rank: int):
+        super().__init__(urls, http_timeout_s=120.0)
+        self.model, self.root, self.lora_rank = model, Path(root), rank
+
+    def init(self) -> None:
+        """`check_server` for every server (LoRAServerError, one line, for one that cannot), then join."""
+        shutil.rmtree(self.root / PROBE_NAME, ignore_errors=True)
+        probe = write_adapter(self.model, self.root, 0).rename(self.root / PROBE_NAME)  # no version's name
+        for url in self.urls:
+            check_server(url, probe, self.lora_rank)
+        shutil.rmtree(probe)
+        self.join(self.urls)
+
+    def join(self, urls: list[str]) -> None:
+        self.groups.update({u: set() for u in urls})  # a restarted server has lost its adapters
+
+    def _release(self, urls: list[str]) -> None:
+        for u in urls:
+            self.groups.pop(u, None)
+
+    def close(self) -> None:
+        self.groups.clear()
+
+    def sync(self, named_params, version: int, urls: list[str] | None = None) -> dict:
+        """`named_params` is not read (the adapter is the model's); otherwise WeightSyncer.sync's contract:
+        sync/ metrics, WeightSyncError naming each server that failed (the others got the version)."""
+        t0 = time.perf_counter()
+        path = self.root / adapter_name(version)
+        if urls is None or not path.exists():  # a heal re-loads the version the others have
+            path = write_adapter(self.model, self.root, version)
+        failed: dict[str, str] = {}
+        targets = [u for u in (urls or self.urls) if u in self.groups]
+        for u in targets:
+            try:
+                if version not in self.groups[u]:
+                    load_adapter(u, version, path)
+                    self.groups[u].add(version)
+                post(u, "/update_weight_version", {"new_version": str(version)}, self.http_timeout_s)
+                unload_versions(u, self.groups[u], version - 1)
+                self.failed.pop(u, None)
+            except Exception as e:  # noqa: BLE001 - dead, refusing, or silent: named below, healed later
+                failed[u] = str(e)
+        self.version = version
+        self.failed.update(failed)
+        if failed or not targets:
+            detail = "; ".join(f"{u}: {m}" for u, m in failed.items()) or "no server joined"
+            raise WeightSyncError(f"adapter sync to version {version} failed ({detail})")
+        seconds, mb = time.perf_counter() - t0, adapter_bytes(path) * len(targets) / 1e6
+        return {"sync/seconds": seconds, "sync/mb": mb, "sync/mb_per_s": mb / seconds, "sync/adapter": 1.0}

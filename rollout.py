@@ -83,7 +83,7 @@ class VLLMClient:
     def __init__(
         self,
         urls: list[str],
-        model: str,
+        model: str | Callable[[], str],
         max_inflight: int = 64,
         request_timeout_s: float = 120.0,
         max_retries: int = 5,
@@ -123,7 +123,7 @@ class VLLMClient:
 
     async def generate(self, prompt_ids: list[int], max_tokens: int, sampling: dict) -> Generation:
         body = {
-            "model": self.model,
+            "model": self.model() if callable(self.model) else self.model,  # LoRA: the version's adapter
             "prompt": prompt_ids,
             "max_tokens": max_tokens,
             "logprobs": 0,

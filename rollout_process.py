@@ -36,7 +36,8 @@ from pathlib import Path
 
 from batches import row_stream
 from envs import episodes_of, verify
-from envs.confine import die_with_parent, pin_to_rollout_cpus
+from envs.confine import ROLLOUT_CPUS_ENV, die_with_parent, parse_cpus, pin_to_rollout_cpus
+from lora import adapter_name
 from rollout import AsyncRolloutWorker, ClientStats, VLLMClient, WorkerStats
 from trainer import load_tokenizer, sampling_of
 
@@ -177,6 +178,19 @@ class RolloutProcess:
             self._client.stats, self._client.down = report.client_stats, report.down
 
 
+def split_cpus(rollout_cpus: str | None) -> None:
+    """--rollout-cpus: the rollout process (spawned after this) and the tool/reward processes it starts
+    go to these CPUs (envs.confine.pin_to_rollout_cpus reads ROLLOUT_CPUS_ENV), the trainer and its
+    threads to the rest, so rollouts do not slow the trainer's steps. OSError where this process may not
+    run there at all (a container's cpuset)."""
+    if rollout_cpus is None:
+        return
+    cpus, allowed = parse_cpus(rollout_cpus), os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)  # may it run there at all?
+    os.sched_setaffinity(0, allowed - cpus or allowed)
+    os.environ[ROLLOUT_CPUS_ENV] = rollout_cpus
+
+
 def _child_main(builds, parent_pid: int, groups, reports, shared, stop_timeout_s: float) -> None:
     version, expected, discarded, go, stopping = shared
     if not die_with_parent(parent_pid):
@@ -253,7 +267,7 @@ def build_worker(
     client = VLLMClient(
         urls, model_name, request_timeout_s=args.batch_timeout, expected_version=expected_version
     )
-    return AsyncRolloutWorker(
+    worker = AsyncRolloutWorker(
         client, template, make_episode, row_stream(rows, args.seed, position, pending),
         num_generations=args.num_generations, groups_per_version=args.prompts_per_step * args.sync_every,
         max_staleness=args.max_staleness, max_turns=args.max_turns, max_context=args.max_context,
@@ -261,3 +275,6 @@ def build_worker(
         seed=args.seed, max_concurrent_tools=args.sandbox_workers, scale_rewards=not args.no_scale_rewards,
         start_version=version,
     )  # fmt: skip
+    if getattr(args, "lora_rank", 0):  # each request names the adapter of the version current when it is sent
+        client.model = lambda: adapter_name(worker.version)
+    return worker

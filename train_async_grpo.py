@@ -64,12 +64,13 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import lora
 from batches import BatchTimeout, StreamPosition, batch_sequences, collect_groups
 from chat_format import ChatTemplate
 from checkpoint import check_row_stream, latest_checkpoint, resume_from, row_stream_identity, save_checkpoint
 from distributed import broadcast_message, place_ranks
 from envs import ENVS, episode_maker, verify
-from envs.confine import ROLLOUT_CPUS_ENV, parse_cpus
+from envs.confine import parse_cpus
 from envs.data import load_rows
 from evaluate import evaluate
 from fidelity import TOP_N, FidelityError, Prober, check_after_sync, worst_gaps
@@ -82,7 +83,7 @@ from metrics import (
     rollout_metrics,
     write_completions,
 )
-from rollout_process import RolloutProcess, build_worker
+from rollout_process import RolloutProcess, build_worker, split_cpus
 from trainer import (
     NonFiniteCount,
     NonFiniteSteps,
@@ -93,11 +94,12 @@ from trainer import (
     make_optimizer,
     model_problem,
     sampling_of,
+    start_syncer,
     sync_weights,
     train_step,
 )
 from vllm_server import healthy, relaunch_exited, served_model_name, write_servers_file
-from weight_sync import WeightSyncer, WeightSyncError
+from weight_sync import WeightSyncError
 
 # fmt: off
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -164,6 +166,10 @@ parser.add_argument("--fidelity-every", type=int, default=1,
                     help="after every N-th sync, re-score each server's probe with new weights (0: never)")
 parser.add_argument("--max-nonfinite-steps", type=int, default=3,
                     help="non-finite steps in a row (not applied, not synced) that stop the run, exit 1")
+parser.add_argument("--lora-rank", type=int, default=0,
+                    help="train and sync a rank-R adapter on the frozen base (0: full fine-tuning)")
+parser.add_argument("--lora-alpha", type=float, default=0.0, help="adapter scale alpha/R (0: alpha = 2R)")
+parser.add_argument("--lora-targets", default=",".join(lora.DEFAULT_TARGETS), help="linear layers adapted")
 # Logging and checkpoints
 parser.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (and at the end)")
 parser.add_argument("--resume", nargs="?", const="latest", help="checkpoint dir; bare: --output-dir's latest")
@@ -187,25 +193,23 @@ def check_args(args: argparse.Namespace) -> None:
                  "weight_decay", "lr", "top_k", "fidelity_every", "max_nonfinite_steps"]:  # fmt: skip
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be ≥ 0, got {getattr(args, name)}")
-    if args.vllm_gpus is not None and args.vllm_gpus < 1:
-        parser.error(f"--vllm-gpus must be ≥ 1, got {args.vllm_gpus}")
-    if args.reward_timeout <= 0:
-        parser.error(f"--reward-timeout must be > 0 seconds, got {args.reward_timeout}")
-    if args.temperature <= 0:
-        parser.error(
-            f"--temperature must be > 0 for training (logprobs divide by it), got {args.temperature}"
-        )
-    if not 0 < args.top_p <= 1:
-        parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.is_cap <= 0 or args.max_grad_norm <= 0:
-        parser.error("--is-cap and --max-grad-norm must be > 0")
-    if args.eps_low >= 1:
-        parser.error(f"--eps-low must be < 1, got {args.eps_low}")
-    if args.mini_batches > args.prompts_per_step * args.num_generations:
-        parser.error(
-            f"--mini-batches {args.mini_batches} exceeds the {args.prompts_per_step * args.num_generations} "
-            "sequences of a batch (--prompts-per-step × --num-generations)"
-        )
+    batch = args.prompts_per_step * args.num_generations
+    checks = [
+        (args.vllm_gpus is not None and args.vllm_gpus < 1, f"--vllm-gpus must be ≥ 1, got {args.vllm_gpus}"),
+        (args.reward_timeout <= 0, f"--reward-timeout must be > 0 seconds, got {args.reward_timeout}"),
+        (args.temperature <= 0,
+         f"--temperature must be > 0 for training (logprobs divide by it), got {args.temperature}"),
+        (not 0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}"),
+        (args.is_cap <= 0 or args.max_grad_norm <= 0, "--is-cap and --max-grad-norm must be > 0"),
+        (args.eps_low >= 1, f"--eps-low must be < 1, got {args.eps_low}"),
+        (args.num_generations < 2,
+         f"--num-generations must be ≥ 2 (group advantages need a group), got {args.num_generations}"),
+        (args.mini_batches > batch, f"--mini-batches {args.mini_batches} exceeds the {batch} sequences of a "
+         "batch (--prompts-per-step × --num-generations)"),
+    ]  # fmt: skip
+    for bad, why in checks:
+        if bad:
+            parser.error(why)
     if args.rollout_cpus is not None:
         try:
             cpus = parse_cpus(args.rollout_cpus)
@@ -213,10 +217,6 @@ def check_args(args: argparse.Namespace) -> None:
             parser.error(f"--rollout-cpus: {args.rollout_cpus!r} is not a CPU list like '0' or '2-5,7'")
         if max(cpus) >= (os.cpu_count() or 1):
             parser.error(f"--rollout-cpus: CPU {max(cpus)} does not exist ({os.cpu_count()} CPUs)")
-    if args.num_generations < 2:
-        parser.error(
-            f"--num-generations must be ≥ 2 (group advantages need a group), got {args.num_generations}"
-        )
     for name in ["dataset", "eval_dataset"] if args.eval_every else ["dataset"]:
         path = getattr(args, name)
         if path.endswith((".jsonl", ".parquet")) and not os.path.isfile(path):
@@ -230,6 +230,8 @@ def check_args(args: argparse.Namespace) -> None:
         parser.error(f"--chat-template: {args.chat_template} does not exist (a jinja file)")
     if why := model_problem(args.model, args.max_context):
         parser.error(f"--model: {why}")
+    if why := lora.args_problem(args):
+        parser.error(why)
     if args.resume not in (None, "latest") and not os.path.isdir(args.resume):
         parser.error(f"--resume: {args.resume} is not a checkpoint directory")
     for u in args.vllm_url or []:
@@ -278,21 +280,6 @@ def checkpoint_to_resume(resume: str | None, out_dir: Path, row_stream: dict) ->
     return ckpt
 
 
-def pin_rollout_cpus(args: argparse.Namespace) -> None:
-    """--rollout-cpus: the rollout process and the tool/reward processes go to these CPUs
-    (envs.confine.pin_to_rollout_cpus), the trainer and its threads to the rest, so rollouts do not slow
-    the trainer's steps."""
-    if args.rollout_cpus is None:
-        return
-    rollout_cpus, allowed = parse_cpus(args.rollout_cpus), os.sched_getaffinity(0)
-    try:  # may this process run there at all (a container's cpuset)?
-        os.sched_setaffinity(0, rollout_cpus)
-    except OSError as e:
-        parser.error(f"--rollout-cpus {args.rollout_cpus}: cannot run there ({e})")
-    os.sched_setaffinity(0, allowed - rollout_cpus or allowed)
-    os.environ[ROLLOUT_CPUS_ENV] = args.rollout_cpus
-
-
 # THE RUN (rank 0): what the loop advances, and what a checkpoint, a heal and the shutdown need --------------
 @dataclass
 class Run:
@@ -334,12 +321,9 @@ def save(run: Run) -> Path:
 
 
 def heal(run: Run, push: bool = True) -> None:
-    """Bring servers back into the run: one that dies or restarts does not stop it (the client stops
-    routing to it; a sync it fails is reported, the others get it). Our own that exited are relaunched
-    (same port, base weights). Any server that answers without our weights (restarted, or failed a
-    sync) gets a new transfer group and, unless a sync to all follows at once (`push=False`), the
-    current weights; the client routes to it again once it reports our version. A failure is retried
-    next call."""
+    """Bring servers back into the run (WeightSyncer owns each one's state): our own that exited or are
+    stuck are relaunched; any that answers without our weights rejoins and, unless a sync to all
+    follows at once (`push=False`), gets the current weights. A failure is retried next call."""
     relaunch_exited(run.servers, run.out_dir / "vllm-logs" / "servers.json", stuck=run.syncer.to_restart())
     stale = run.syncer.rejoin()
     if not stale:
@@ -376,6 +360,7 @@ def start_rollouts(
             args.model, num_servers=len(server_gpus), gpus_per_server=args.vllm_tp if on_gpu else 1,
             log_dir=run.out_dir / "vllm-logs", timeout_s=args.server_timeout, max_model_len=args.max_context,
             seed=args.seed, dtype=serving_dtype, cpus=args.rollout_cpus,  # generation side: rollout CPUs
+            lora_rank=args.lora_rank, lora_slots=args.max_staleness + 2,  # the versions in flight, + 1
         )  # fmt: skip
         urls, model_name = [s.url for s in run.servers], str(args.model)
         write_servers_file(run.servers, run.out_dir / "vllm-logs" / "servers.json")
@@ -383,20 +368,16 @@ def start_rollouts(
     # (collect_groups raises KeyboardInterrupt), never inside an optimizer step, a weight sync or a
     # checkpoint write. Before this point (server start-up) there is nothing to leave half-done.
     signal.signal(signal.SIGINT, lambda *_: run.stop_flag.update(stop=True))
-    # The fp32 masters are cast to the servers' dtype as they are sent (half the bytes on GPU).
-    run.syncer = WeightSyncer(
-        urls, backend="nccl" if on_gpu else "gloo", send_dtype=getattr(torch, serving_dtype),
-        master_address=args.sync_host, startup_timeout_s=args.server_timeout,
-    )  # fmt: skip
-    run.syncer.init()
+    run.syncer = start_syncer(args, urls, run.model, run.out_dir, on_gpu, serving_dtype)
     # Always push ours, even onto launched servers that hold the base model: servers given by
     # --vllm-url may hold anything, a checkpoint's weights must go in, and the version tag it sets
     # is how a restarted server (tag "default", base weights) is told apart from one in step.
     sync_weights(run.syncer, run.model, run.version, run.world_size)
     bf16 = args.compute_dtype == "bf16" or serving_dtype == "bfloat16"  # either side bf16: the KL bound
     prompts = [template.prompt_ids(make_episode(r).messages) for r in rows[:4]]
+    served = (lambda: lora.adapter_name(run.syncer.version)) if args.lora_rank else model_name  # LoRA: v{n}
     run.prober = Prober(
-        model_name, prompts, sampling_of(args), args.seed, run.model, bf16, run.world_size, device
+        served, prompts, sampling_of(args), args.seed, run.model, bf16, run.world_size, device
     )
     fidelity = worst_gaps([run.prober.verify(u, run.prober.sample(u, bare=True)) for u in urls])
     print(
@@ -413,7 +394,7 @@ def start_rollouts(
     )  # fmt: skip
     run.worker.build(build, lambda: run.syncer.version, run.version)
     expected_version = run.worker.client.expected_version
-    eval_args = (urls, model_name, template, make_episode, eval_rows, args, expected_version)
+    eval_args = (urls, served, template, make_episode, eval_rows, args, expected_version)
     if args.eval_every and run.step == 0:  # the start, before any rollout competes for the servers
         start = {"step": 0, "model_version": run.version} | evaluate_now(run, eval_args)
         run.metrics_file.write(json.dumps(start) + "\n")
@@ -517,12 +498,10 @@ def shutdown(run: Run, exc: BaseException | None) -> None:
         run.worker.stop(timeout_s=10.0)
         if run.worker.built:  # a start-up that failed before the servers were up has no counters to say
             print(rollout_counters(run.worker.stats, run.worker.client.stats), file=sys.stderr, flush=True)
-    # `exc` is what ended the run (main passes it: in its `finally`, sys.exc_info() is None for an
-    # exception an `except` handled). These strike between steps, with every rank waiting for rank 0's
-    # next message: Ctrl-C, a batch that never came, a refusal (fidelity, the sync group), the non-finite
-    # limit (saved already). NonFiniteWeights too (every rank raised it after the same step), but its
-    # weights are not saved. Anything else may strike mid-step, inside a collective: nothing is saved
-    # and no message sent (torchrun ends the other ranks when rank 0 exits).
+    # `exc` is what ended the run (main passes it). These strike between steps, every rank waiting for
+    # rank 0's next message: Ctrl-C, a batch that never came, a refusal, the non-finite limit (saved
+    # already), NonFiniteWeights (raised on every rank; not saved). Anything else may strike mid-step,
+    # inside a collective: nothing is saved, no message sent (torchrun ends the other ranks).
     between = (KeyboardInterrupt, BatchTimeout, FidelityError, NonFiniteSteps, NonFiniteWeights)
     between_steps = exc is None or isinstance(exc, (*between, WeightSyncError))
     if isinstance(exc, BatchTimeout):  # the others are named by main's `except`
@@ -565,7 +544,10 @@ def main(argv: list[str] | None = None) -> None:
     ckpt = checkpoint_to_resume(args.resume, out_dir, row_stream)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    pin_rollout_cpus(args)
+    try:  # --rollout-cpus: the rollout side there, the trainer on the rest
+        split_cpus(args.rollout_cpus)
+    except OSError as e:
+        parser.error(f"--rollout-cpus {args.rollout_cpus}: cannot run there ({e})")
     args.compute_dtype = args.compute_dtype or ("bf16" if torch.cuda.is_available() else "fp32")
     try:  # checked before anything starts: launched servers take GPUs 0..K−1, trainer rank r GPU K + r
         server_gpus, rank, world_size, device = place_ranks(

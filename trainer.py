@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+import lora
 from batches import collate, pack, packed_attention, unapplied_attention
 from chat_format import ChatTemplate
 from checkpoint import param_checksum, save_checkpoint
@@ -40,11 +41,15 @@ def load_models(args: argparse.Namespace, ckpt: Path | None, device: torch.devic
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(f"trainer attention: {attn} (each packed sequence attends only to itself)", flush=True)
     load = functools.partial(AutoModelForCausalLM.from_pretrained, attn_implementation=attn)
-    model = load(ckpt or args.model, dtype=torch.float32).to(device)
+    lora_rank = getattr(args, "lora_rank", 0)
+    # LoRA: the base is always --model (a checkpoint holds the adapter alone), frozen in the compute dtype
+    model = load(args.model if lora_rank else (ckpt or args.model), dtype=torch.float32).to(device)
+    if lora_rank:
+        model = lora.attach_for_training(model, args, ckpt, world_size)
     model.train()
     loaded_checksum = param_checksum(model.named_parameters()) if ckpt is not None else None
     ref_model = None
-    if args.kl_beta > 0:
+    if args.kl_beta > 0 and not lora_rank:  # LoRA: the reference is the model with its adapter disabled
         ref_dtype = torch.bfloat16 if args.compute_dtype == "bf16" else torch.float32  # frozen: no masters
         ref_model = load(args.model, dtype=ref_dtype).to(device).eval()
         ref_model.requires_grad_(False)
@@ -55,6 +60,8 @@ def load_models(args: argparse.Namespace, ckpt: Path | None, device: torch.devic
     )  # fmt: skip
     if on:
         model.gradient_checkpointing_enable()
+        if lora_rank:  # the frozen embeddings' output must carry a gradient into the checkpointed layers
+            model.enable_input_require_grads()
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(f"gradient checkpointing: {'on' if on else 'off'} ({why})", flush=True)
     if world_size > 1:
@@ -165,8 +172,10 @@ def lr_lambda(step: int, warmup: int, total: int, schedule: str) -> float:
 
 
 def make_optimizer(model, args: argparse.Namespace) -> tuple[torch.optim.Optimizer, object]:
-    """AdamW over the (fp32) parameters and its --lr-schedule after --warmup-steps."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    """AdamW over the (fp32) trainable parameters (LoRA: the adapter's alone) and its --lr-schedule after
+    --warmup-steps."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, args.warmup_steps, args.max_steps, args.lr_schedule)
     )
@@ -229,6 +238,9 @@ def train_step(
             if ref_model is not None:
                 with torch.no_grad():
                     ref, _ = score(ref_model, mb, sampling, bf16)
+            elif args.kl_beta > 0:  # LoRA: the frozen base is the reference (load_models loaded no other)
+                with torch.no_grad(), lora.reference(model):
+                    ref, _ = score(model, mb, sampling, bf16)
             loss, m = grpo_loss(
                 logprobs, logprobs.detach() if mb_old is None else mb_old, mb["behaviour"], mb["advantages"],
                 mb["loss_mask"], mb["seq_index"], eps_low=args.eps_low, eps_high=args.eps_high,
@@ -373,6 +385,26 @@ def check_weights_finite(model, lr: float, world_size: int, device) -> None:
 # ---------------------------------------------------------------------------------------------------
 # RANKS: rank 0 runs the loop and sends each step's work as a message; the others follow it
 # ---------------------------------------------------------------------------------------------------
+def start_syncer(args, urls: list[str], model, out_dir: Path, on_gpu: bool, serving_dtype: str):
+    """The run's syncer, joined with every server: a WeightSyncer (the fp32 masters cast to the servers'
+    dtype as they are sent: half the bytes on GPU), or with --lora-rank a lora.AdapterSyncer, whose
+    start-up check refuses a server that cannot load the trainer's adapter (one line, exit 2)."""
+    if not args.lora_rank:
+        syncer = WeightSyncer(
+            urls, backend="nccl" if on_gpu else "gloo", send_dtype=getattr(torch, serving_dtype),
+            master_address=args.sync_host, startup_timeout_s=args.server_timeout,
+        )  # fmt: skip
+        syncer.init()
+        return syncer
+    syncer = lora.AdapterSyncer(urls, model, out_dir / "adapters", args.lora_rank)
+    try:
+        syncer.init()
+    except lora.LoRAServerError as e:
+        print(e, file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    return syncer
+
+
 def sync_weights(syncer, model, version: int, world_size: int = 1, urls: list[str] | None = None) -> dict:
     """Push the trainer's weights into every joined server (or those of `urls`), tagged with `version`
     (the one call site). Rank 0 first tells the other ranks to join the gathers of the FSDP shards."""

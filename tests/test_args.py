@@ -28,6 +28,8 @@ def test_bad_arguments_fail_before_anything_starts(capsys, tiny_model):
         (["--rollout-cpus", "4096"], "--rollout-cpus: CPU 4096 does not exist"),
         (["--fidelity-every", "-1"], "--fidelity-every must be ≥ 0"),
         (["--max-nonfinite-steps", "-1"], "--max-nonfinite-steps must be ≥ 0"),
+        (["--lora-rank", "600"], "--lora-rank must be in 0..512"),
+        (["--lora-rank", "8", "--lora-targets", "q_proj,qproj"], "--lora-targets: qproj not linear layers"),
     ]:
         with pytest.raises(SystemExit):
             T.main(["--model", str(tiny_model), *argv])

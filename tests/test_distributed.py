@@ -77,7 +77,7 @@ def test_the_start_up_probe_uses_the_bf16_bound_when_either_side_is_bf16(
         vllm_server, "start_vllm_servers", lambda *a, **k: [SimpleNamespace(url="http://s:1")]
     )
     monkeypatch.setattr(T, "write_servers_file", lambda *a: None)
-    monkeypatch.setattr(T, "WeightSyncer", lambda *a, **k: SimpleNamespace(init=lambda: None))
+    monkeypatch.setattr(T, "start_syncer", lambda *a, **k: SimpleNamespace(version=0))
     monkeypatch.setattr(T, "sync_weights", lambda *a, **k: {})
     monkeypatch.setattr(fidelity, "probe", lambda *a: [])
     monkeypatch.setattr(
