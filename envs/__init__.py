@@ -29,10 +29,12 @@ def episode_maker(name: str, sandbox_workers: int, unsafe_sandbox: bool, rank: i
     env = load_env(name)
     if not _runs_tools(env):
         return env.make_episode, {}
+    from envs.confine import landlock_description
     from envs.sandbox import isolation_gaps, isolation_mode
 
-    if rank == 0:
-        print(f"sandbox isolation: {isolation_mode()}", flush=True)
+    if rank == 0:  # Landlock is what confines the files in mode seccomp: say what of it applies
+        landlock = f"; {landlock_description()}" if isolation_mode() == "seccomp" else ""
+        print(f"sandbox isolation: {isolation_mode()}{landlock}", flush=True)
     if isolation_gaps() and not unsafe_sandbox:
         sys.exit(
             f"sandbox isolation {isolation_mode()!r} cannot stop {', '.join(isolation_gaps())} here "

@@ -10,12 +10,20 @@ inherited by every descendant and cannot be lifted.
 
 - seccomp (libseccomp through `pyseccomp`): socket() fails (no network, no unix socket to a local
   server; socketpair() still works), ptrace and cross-process memory access fail, signals go only to
-  the caller's own process group (kill(0, sig)); io_uring and bpf, which could do the same by another
-  door, fail. With `no_fork` (uid 0 where no pids cgroup can be made: nothing else would bound a fork
-  bomb), fork, vfork and clone without CLONE_THREAD fail too: threads yes, new processes no.
-- Landlock (kernel >= 5.13, plain syscalls): reads and exec only below the given read-only paths,
+  the caller's own process group (kill(0, sig)), a file's owner cannot be set (below); io_uring and
+  bpf, which could do the same by another door, fail. With `no_fork` (uid 0 where no pids cgroup can
+  be made: nothing else would bound a fork bomb), fork, vfork and clone without CLONE_THREAD fail
+  too: threads yes, new processes no.
+- Landlock (kernel >= 5.13, plain syscalls), best effort as the kernel's documentation describes: the
+  rights of the ABI the kernel reports (`landlock_rights`), and a ruleset it refuses retried with those
+  of the ABI before (`landlock_ruleset_rights`). Reads and exec only below the given read-only paths,
   writes only below the run dir; /proc, /tmp, home directories and the project checkout are out of
-  reach. ABI >= 4 also refuses TCP bind/connect; ABI >= 6 scopes signals to the Landlock domain.
+  reach. ABI >= 4 also refuses TCP bind/connect; ABI >= 6 scopes signals and abstract unix sockets to
+  the Landlock domain.
+- Where no pid namespace hides the trainer, a signal can also reach it by way of a file's owner
+  (fcntl F_SETOWN + F_SETSIG + O_ASYNC on a pipe, FIOSETOWN on a socketpair): the kernel then signals
+  a process of the same uid, or anyone when the caller's euid is 0. seccomp refuses every way of
+  setting that owner, whatever the Landlock ABI.
 """
 
 # Imported now, not lazily: it registers an at-fork hook, and asyncio imports it on the first
@@ -28,11 +36,14 @@ import errno
 import functools
 import glob
 import os
+import shutil
 import signal
+import tempfile
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _PR_SET_NO_NEW_PRIVS = 38
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 _SYS_LANDLOCK_CREATE_RULESET, _SYS_LANDLOCK_ADD_RULE, _SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
 _LANDLOCK_CREATE_RULESET_VERSION = 1
 _LANDLOCK_RULE_PATH_BENEATH = 1
@@ -40,6 +51,22 @@ _EXECUTE, _WRITE_FILE, _READ_FILE, _READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
 _FILE_ONLY = _EXECUTE | _WRITE_FILE | _READ_FILE | 1 << 14 | 1 << 15  # rights a rule on a file may hold
 _NET_BIND_TCP, _NET_CONNECT_TCP = 1 << 0, 1 << 1
 _SCOPE_ABSTRACT_UNIX_SOCKET, _SCOPE_SIGNAL = 1 << 0, 1 << 1
+# What each ABI brought, from the kernel's include/uapi/linux/landlock.h: ABI 1 the filesystem rights
+# 0-12 (EXECUTE .. MAKE_SYM), 2 REFER (13), 3 TRUNCATE (14), 4 TCP bind/connect (network rules: no new
+# filesystem right), 5 IOCTL_DEV (15), 6 the scopes, 7 only logging flags of landlock_restrict_self
+# (left at their defaults here). A newer ABI is used as the newest we know.
+LANDLOCK_NEWEST_ABI = 7
+_FS_RIGHTS = {1: (1 << 13) - 1, 2: (1 << 14) - 1, 3: (1 << 15) - 1, 4: (1 << 15) - 1, 5: (1 << 16) - 1}
+_NAMES = {  # for the start-up line
+    "filesystem": "execute write_file read_file read_dir remove_dir remove_file make_char make_dir "
+    "make_reg make_sock make_fifo make_block make_sym refer truncate ioctl_dev",
+    "network": "bind_tcp connect_tcp",
+    "scopes": "abstract_unix_socket signal",
+}
+# fcntl commands and ioctl requests that set the process a file signals (<asm-generic/fcntl.h>,
+# <asm-generic/sockios.h>). The kernel reads both as 32-bit: rules compare the low 32 bits only.
+_F_SETOWN, _F_SETSIG, _F_SETOWN_EX = 8, 10, 15
+_FIOSETOWN, _SIOCSPGRP = 0x8901, 0x8902
 
 # Syscalls that fail with EPERM in a confined run: network, other processes' memory, signals by
 # another door than kill(), and interfaces that can issue the same operations unseen by seccomp.
@@ -66,6 +93,58 @@ def landlock_abi() -> int:
     return max(v, 0)
 
 
+def landlock_rights(abi: int) -> tuple[int, int, int]:
+    """(filesystem rights, network rights, scopes) that Landlock `abi` knows; nothing at ABI 0."""
+    abi = min(abi, LANDLOCK_NEWEST_ABI)
+    if abi < 1:
+        return 0, 0, 0
+    net = _NET_BIND_TCP | _NET_CONNECT_TCP if abi >= 4 else 0
+    return _FS_RIGHTS[min(abi, 5)], net, _SCOPE_ABSTRACT_UNIX_SOCKET | _SCOPE_SIGNAL if abi >= 6 else 0
+
+
+def _create_ruleset(fs: int, net: int, scoped: int) -> int:
+    """A ruleset's fd, or -errno. The attribute is only as long as its last field in use: a kernel
+    older than the field refuses a longer one (E2BIG)."""
+    attr = _RulesetAttr(fs=fs, net=net, scoped=scoped)
+    size = 24 if scoped else 16 if net else 8
+    fd = _libc.syscall(_SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), size, 0)
+    return fd if fd >= 0 else -ctypes.get_errno()
+
+
+@functools.cache
+def landlock_ruleset_rights() -> tuple[int, int, int, int, int]:
+    """(ABI reported, ABI whose rights are applied, filesystem rights, network rights, scopes): the
+    rights of the reported ABI, or, where the kernel refuses a ruleset with them (one that reports an
+    ABI without all it brings: RHEL 9 is said to report 6 without the signal scope), those of the newest
+    older ABI it accepts; applied ABI 0 where it accepts none (then Landlock is not applied). Probed in
+    the parent, with rulesets that restrict nothing: a preexec_fn only reads the answer."""
+    abi = landlock_abi()
+    for applied in range(min(abi, LANDLOCK_NEWEST_ABI), 0, -1):
+        rights = landlock_rights(applied)
+        fd = _create_ruleset(*rights)
+        if fd >= 0:
+            os.close(fd)
+            return abi, applied, *rights
+        if fd not in (-errno.EINVAL, -errno.E2BIG):  # not "unknown right or field": older won't help
+            break
+    return abi, 0, 0, 0, 0
+
+
+def landlock_description() -> str:
+    """What `confine` applies of Landlock here, in words (the start-up line)."""
+    abi, applied, *rights = landlock_ruleset_rights()
+    if not applied:
+        return f"Landlock ABI {abi}: not applied" + (" (no ruleset accepted)" if abi else "")
+    parts = []
+    for (kind, names), bits in zip(_NAMES.items(), rights, strict=True):
+        named = [n for i, n in enumerate(names.split()) if bits >> i & 1]
+        if len(named) > 2:  # the filesystem rights: always the first N
+            named = [f"{bits:#x} ({len(named)} rights: {named[0]} .. {named[-1]})"]
+        parts.append(f"{kind} {'+'.join(named) or 'none'}")
+    retried = f" (refused its rights; those of ABI {applied} applied)" if applied != abi else ""
+    return f"Landlock ABI {abi}{retried}: " + ", ".join(parts)
+
+
 _CLONE_THREAD = 0x00010000
 
 
@@ -80,6 +159,10 @@ def seccomp_filter(no_fork: bool = False):
         for name in _DENIED + ("fork", "vfork") * no_fork:
             f.add_rule(sc.ERRNO(errno.EPERM), name)
         f.add_rule(sc.ERRNO(errno.EPERM), "kill", sc.Arg(0, sc.NE, 0))
+        owner = {"fcntl": (_F_SETOWN, _F_SETSIG, _F_SETOWN_EX), "ioctl": (_FIOSETOWN, _SIOCSPGRP)}
+        for name, values in owner.items():
+            for v in values:
+                f.add_rule(sc.ERRNO(errno.EPERM), name, sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, v))
         if no_fork:
             f.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, _CLONE_THREAD, 0))
             f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")  # flags in memory: glibc falls back to clone
@@ -89,17 +172,12 @@ def seccomp_filter(no_fork: bool = False):
 
 
 def _landlock(readable: list[str], writable: list[str]) -> None:
-    abi = landlock_abi()
-    handled_fs = (1 << {1: 13, 2: 14, 3: 15}.get(abi, 16)) - 1
-    attr = _RulesetAttr(
-        fs=handled_fs,
-        net=_NET_BIND_TCP | _NET_CONNECT_TCP if abi >= 4 else 0,
-        scoped=_SCOPE_ABSTRACT_UNIX_SOCKET | _SCOPE_SIGNAL if abi >= 6 else 0,
-    )
-    size = 24 if abi >= 6 else 16 if abi >= 4 else 8
-    ruleset = _libc.syscall(_SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), size, 0)
+    _, applied, handled_fs, net, scoped = landlock_ruleset_rights()
+    if not applied:
+        return
+    ruleset = _create_ruleset(handled_fs, net, scoped)
     if ruleset < 0:
-        raise OSError(ctypes.get_errno(), "landlock_create_ruleset failed")
+        raise OSError(-ruleset, "landlock_create_ruleset failed")
     try:
         for paths, access in ((readable, _EXECUTE | _READ_FILE | _READ_DIR), (writable, handled_fs)):
             for path in paths:
@@ -121,11 +199,10 @@ def _landlock(readable: list[str], writable: list[str]) -> None:
 
 def confine(readable: list[str], writable: list[str], no_fork: bool = False) -> None:
     """Confine the calling process and all it will start (preexec_fn). Raises OSError if seccomp
-    cannot be loaded; Landlock is applied only where the kernel has it (see `landlock_abi`)."""
+    cannot be loaded; Landlock is applied only where the kernel has it (see `landlock_ruleset_rights`)."""
     if _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0):
         raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS failed")
-    if landlock_abi():
-        _landlock(readable, writable)
+    _landlock(readable, writable)
     f = seccomp_filter(no_fork)
     if f is None:
         raise OSError(errno.ENOSYS, "no seccomp: libseccomp or pyseccomp missing")
@@ -287,3 +364,76 @@ def die_with_parent(parent_pid: int) -> bool:
     False if that parent is already gone (it died before the request took effect): then return at once."""
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     return os.getppid() == parent_pid
+
+
+def become_subreaper() -> None:
+    """Orphans below the calling process come to it, not to init (in a child between fork and exec:
+    kept across exec, not inherited by its children)."""
+    _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+# FINDING A RUN'S PROCESSES: without a pid namespace nothing the kernel does kills them for us.
+
+
+def _process_table() -> dict[int, tuple[str, int, int, int]]:
+    """pid -> (state, parent pid, process group, uid) of every process."""
+    table = {}
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit():
+                state, ppid, pgrp = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[:3]
+                table[int(pid)] = (state, int(ppid), int(pgrp), os.stat(f"/proc/{pid}").st_uid)
+        except (OSError, IndexError, ValueError):  # exited meanwhile
+            pass
+    return table
+
+
+def kill_run(first: int, uid: int | None) -> dict[int, str]:
+    """SIGKILL every process of a run but its first process `first` (whose pid is its process group):
+    the descendants of `first` (a subreaper: a setsid() or double-fork daemon of the run comes back to
+    it, not to init), its process group, and every process of its drawn `uid`. Returns each with its
+    state before the kill ("Z": a zombie, gone with its reaper). `first` goes last, once none is left
+    alive: killed before, it would hand what is left to init."""
+    table = _process_table()
+    children: dict[int, list[int]] = {}
+    for pid, (_, ppid, _, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    run, todo = set(), [first]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in run:
+                run.add(child)
+                todo.append(child)
+    run |= {pid for pid, (_, _, pgrp, owner) in table.items() if pgrp == first or owner == uid}
+    run.discard(first)
+    # Their process groups first, each in one call that a fork cannot slip past (a fork bomb): a group
+    # lies within the session it was made in, and every session here is the run's but `first`'s own.
+    for kill, ids in ((os.killpg, {table[pid][2] for pid in run} - {first}), (os.kill, run)):
+        for i in ids:
+            try:
+                kill(i, signal.SIGKILL)
+            except OSError:
+                pass
+    return {pid: table[pid][0] for pid in run}
+
+
+def user_process_count() -> int:
+    """How many processes our uid has (RLIMIT_NPROC counts them)."""
+    return sum(owner == os.getuid() for _, _, _, owner in _process_table().values())
+
+
+@functools.cache
+def remove_run_dirs_of_dead_processes() -> None:
+    """Each run removes its own dir, but a SIGKILLed trainer leaves those of its live runs (the runs
+    die with it, by PR_SET_PDEATHSIG; nobody is left to clean up). Run dirs are named after the pid of
+    the process that made them, and the first run of every process removes those of dead pids."""
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), "sandbox-*-*")):
+        owner = os.path.basename(path).split("-")[1]
+        if not owner.isdigit():
+            continue
+        try:
+            os.kill(int(owner), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:  # alive, someone else's
+            pass

@@ -11,8 +11,8 @@ which each call's fresh tmpfs would hide: the call puts it back.
 Per call (the same limits and the same clean state as a cold run):
   server ─fork─► A: new mount + pid namespace; fresh tmpfs at /sandbox (the cwd, with main.py), /tmp
                  and /dev/shm (HIDDEN moved back in, read-only as it was); waits for B with the
-                 wall-clock deadline, SIGKILLs it past that, and writes {"status", "timed_out"} to
-                 the status pipe
+                 wall-clock deadline, SIGKILLs it past that or once the caller closed the status
+                 pipe (a cancelled call), and writes {"status", "timed_out"} to the status pipe
      A ─fork─► B: pid 1 of the call's pid namespace: its own /proc, stdout/stderr to the output pipe,
                  rlimits, drops privileges (to the drawn uid where there is one, as in root-ns and in
                  user-ns under a root trainer; else every capability), fresh
@@ -161,16 +161,23 @@ def call(req: dict, out_fd: int, status_fd: int, hidden: dict) -> None:
             os.close(status_fd)
             run_code(req, out_fd)
         os.close(out_fd)
-        pidfd = os.pidfd_open(b)
-        timed_out = not select.select([pidfd], [], [], req["timeout_s"])[0]
-        if timed_out:
+        poll = select.poll()
+        poll.register(pidfd := os.pidfd_open(b), select.POLLIN)
+        poll.register(status_fd, 0)  # POLLERR once the caller closed its end: it gave up the call
+        events = poll.poll(int(req["timeout_s"] * 1000))
+        timed_out = not events
+        if pidfd not in [fd for fd, _ in events]:
             os.kill(b, signal.SIGKILL)
         status = os.waitstatus_to_exitcode(os.waitpid(b, 0)[1])
     except BaseException as e:
-        os.write(status_fd, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
-        os._exit(1)
-    os.write(status_fd, json.dumps({"status": status, "timed_out": timed_out}).encode())
-    os._exit(0)
+        try:
+            os.write(status_fd, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+        finally:
+            os._exit(1)
+    try:
+        os.write(status_fd, json.dumps({"status": status, "timed_out": timed_out}).encode())
+    finally:  # a caller that gave up has closed its end: EPIPE
+        os._exit(0)
 
 
 def serve(fd: int, hidden: dict) -> None:

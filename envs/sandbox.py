@@ -35,15 +35,17 @@ Isolation modes, the strongest that works here is probed once per process (`isol
   uid can, /proc/<trainer>/environ included: `isolation_gaps` says so and the trainer refuses.
 - "none": rlimits, a new session and the process-group kill only.
 
-Every mode: wall clock (`timeout_s`, then SIGKILL to the group, and in the drawn-uid modes to every
-process of that uid), RLIMIT_AS/CPU/FSIZE/NOFILE/CORE per process, and one memory and one pids cgroup
-(v2, or v1) for all runs together where one can be made (envs/confine.py): the pids limit bounds a
-fork bomb where RLIMIT_NPROC does not (uid 0); a run the kernel OOM-kills says so in its `error`.
+Without a pid namespace (seccomp, none) the run's first process is a child subreaper (`_REAPER`): the
+run's orphans (a setsid() or double-fork daemon) come back to it, not to init, until the run has ended.
+Every mode: wall clock (`timeout_s`, then SIGKILL to every process of the run: the descendants of its
+first process, its group and, where it drew one, its uid), RLIMIT_AS/CPU/FSIZE/NOFILE/CORE per
+process, and one memory and one pids cgroup (v2, or v1) for all runs together where one can be made
+(envs/confine.py): the pids limit bounds a fork bomb where RLIMIT_NPROC does not (uid 0); a run the
+kernel OOM-kills says so in its `error`. A run cancelled mid-way is killed the same way.
 """
 
 import asyncio
 import functools
-import glob
 import json
 import os
 import random
@@ -65,10 +67,7 @@ from envs import confine
 MAX_OUTPUT_BYTES = 16 * 1024  # what the model sees; a tool message should stay small
 MEMORY_BUDGET_BYTES = 4 * 1024**3  # the memory cgroup: resident memory of all live runs together
 MAX_PROCESSES = 32  # RLIMIT_NPROC for the sandbox uid (threads count too)
-UID_RANGE = (
-    1 << 30,
-    (1 << 31) - 2,
-)  # sandbox uids are drawn from here; no real account should be in it
+UID_RANGE = (1 << 30, (1 << 31) - 2)  # sandbox uids are drawn from here; no real account should be in it
 RUN_DIR_INSIDE = "/sandbox"  # where the run dir appears in the namespace modes' minimal root
 # What the code may see besides the Python install: binaries, shared libraries, the loader's cache.
 SYSTEM_PATHS = ["/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32", "/etc/ld.so.cache"]
@@ -142,10 +141,11 @@ def _hidden_by_fresh_tmpfs() -> dict:
 
 
 @functools.cache
-def _ns_prologue() -> str:
-    """Shell run as root in the new namespaces. $1 = the run's base dir (run/ = the code's dir, root/ =
-    an empty mount point); the rest = the command that drops privileges and runs python, as pid 1's
-    child (pid 1 stays a root shell the code cannot kill; when it exits the namespace dies)."""
+def _ns_prologue(bind_run: bool = True) -> str:
+    """Shell run as root in the new namespaces. $1 = the run's base dir (run/ = the code's dir, bound at
+    /sandbox if `bind_run`; root/ = an empty mount point; unused once the command runs); the rest = the
+    command that drops privileges and runs python, as pid 1's child (pid 1 stays a root shell the code
+    cannot kill; when it exits the namespace dies)."""
     binds, links = visible_paths()
     q = shlex.quote
     files = [p for p in binds if not os.path.isdir(p)]
@@ -166,8 +166,8 @@ def _ns_prologue() -> str:
     lines += [f'ln -s {q(target)} "$R"{q(link)}' for link, target in sorted(links.items())]
     lines += [f'mount -o bind,ro,nosuid,nodev {q(p)} "$R"{q(p)}' for p in binds]
     lines += [f'mount -o bind /dev/{d} "$R/dev/{d}"' for d in DEVICES]
+    lines += [f'mount -o bind,nosuid,nodev "$1/run" "$R{RUN_DIR_INSIDE}"'] * bind_run
     lines += [
-        f'mount -o bind,nosuid,nodev "$1/run" "$R{RUN_DIR_INSIDE}"',
         'mount -t proc -o nosuid,nodev,noexec proc "$R/proc"',
         'mount -o remount,bind,ro,nosuid,nodev "$R"',
         'cd "$R"',
@@ -184,13 +184,28 @@ def _python_reachable_by_others() -> bool:
     return not any(_blocked_ancestors(p) for p in (sys.executable, sys.prefix, sys.base_prefix))
 
 
-def _command(mode: str, base: str, uid: int, server_fd: int | None = None) -> list[str]:
+# The first process of a run without a pid namespace (`_reaps`), a child subreaper (`_preexec`): runs
+# the code in a session of its own (dying with us: --pdeathsig), says its exit status on its stdin, a
+# socket, and waits there, holding the run's orphans, until `_end_run` has killed them and closes it.
+_REAPER = '"$@" </dev/null & wait $!; echo $? >&0; read _; exit 0'
+
+
+def _reaps(mode: str, budget: int) -> bool:
+    """Does the run start below `_REAPER`? Without a pid namespace, where the code may fork at all."""
+    tools = shutil.which("setsid") and shutil.which("setpriv")
+    return mode in ("seccomp", "none") and bool(tools) and not _unbounded(mode, budget)
+
+
+def _command(mode: str, base: str, uid: int, server_fd: int | None = None, reaper: bool = False) -> list[str]:
     """argv of one run (cwd is base/run in the modes without a mount namespace); with server_fd, of
     the namespace modes' fork server instead, which stays the namespaces' root (envs/forkserver.py).
-    Where `_maps_ids`, the run waits for `_map_ids` on its stdin, a socket."""
+    Where `_maps_ids` (or with `reaper`: below `_REAPER`) its stdin is a socket to us."""
     python = [sys.executable, "-I", "main.py"]
+    if reaper:
+        pdeathsig = [shutil.which("setpriv"), "--pdeathsig=KILL", "--"]
+        python = ["/bin/sh", "-c", _REAPER, "sh", shutil.which("setsid"), "-w", *pdeathsig, *python]
     ns = ["unshare", "--net", "--pid", "--fork", "--kill-child", "--mount", "--propagation", "private"]
-    shell = ["/bin/sh", "-c", _ns_prologue(), "sh", base]
+    shell = ["/bin/sh", "-c", _ns_prologue(server_fd is None), "sh", base]
     user = []
     if _draws_uid(mode):
         drop = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs", "--"]
@@ -208,7 +223,9 @@ def _command(mode: str, base: str, uid: int, server_fd: int | None = None) -> li
         return [*user, *ns, "--", *shell, *drop, *python]
     if mode == "seccomp" and os.geteuid() == 0:
         if _python_reachable_by_others():
-            return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *python]
+            # the uid change clears the parent-death signal _preexec set: set again
+            drop = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--pdeathsig=KILL"]
+            return [*drop, "--", *python]
         return ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--", *python]
     return python
 
@@ -269,6 +286,8 @@ def _preexec(
     (no CPU time) would outlive us.
     In mode "seccomp", confine (seccomp + Landlock; `no_fork`: see `_unbounded`) last."""
     confine.die_with_parent(os.getppid())
+    if mode in ("seccomp", "none"):
+        confine.become_subreaper()  # for `_REAPER`: set before exec, kept across it
     _join(cgroup_procs)
     for name, limits in confine.rlimits(timeout_s, nproc).items():
         resource.setrlimit(getattr(resource, name), limits)
@@ -280,10 +299,11 @@ def _preexec(
 def _probe(mode: str) -> bool:
     """Run print(1) in `mode`, synchronously (isolation_mode may be called inside an event loop)."""
     base = _make_base(mode, uid := random.SystemRandom().randint(*UID_RANGE), "print(1)")
-    ours, theirs = socket.socketpair() if _maps_ids(mode) else (None, None)
+    reaper = _reaps(mode, MEMORY_BUDGET_BYTES)
+    ours, theirs = socket.socketpair() if _maps_ids(mode) or reaper else (None, None)
     try:
         with subprocess.Popen(
-            _command(mode, base, uid),
+            _command(mode, base, uid, reaper=reaper),
             cwd=os.path.join(base, "run"),
             env=_env(mode, base),
             stdin=theirs.fileno() if theirs else subprocess.DEVNULL,
@@ -293,12 +313,18 @@ def _probe(mode: str) -> bool:
         ) as probe:
             if theirs:
                 theirs.close()
+            status = b"0\n"  # what the reaper says, where there is one
+            if _maps_ids(mode):
                 _map_ids(probe.pid, ours)
+            elif reaper:
+                ours.settimeout(30)
+                status = ours.recv(16)
+                ours.close()  # the reaper's cue to exit
             try:
                 out, _ = probe.communicate(timeout=30)
             finally:
                 probe.kill()
-        return probe.returncode == 0 and out == b"1\n"
+        return probe.returncode == 0 and out == b"1\n" and status == b"0\n"
     except (OSError, subprocess.SubprocessError):
         return False
     finally:
@@ -316,6 +342,7 @@ def isolation_mode() -> str:
         return "root-ns"
     if tools and _probe("user-ns"):
         return "user-ns"
+    confine.landlock_ruleset_rights()  # probed here, in the parent: a preexec_fn only reads it
     if (
         confine.seccomp_filter() is not None
         and (os.geteuid() != 0 or shutil.which("setpriv"))
@@ -330,7 +357,7 @@ def isolation_gaps() -> list[str]:
     mode = isolation_mode()
     if mode == "none":
         return ["network access", "reading the trainer's environment", "signalling the trainer"]
-    if mode == "seccomp" and os.geteuid() != 0 and not confine.landlock_abi():
+    if mode == "seccomp" and os.geteuid() != 0 and not confine.landlock_ruleset_rights()[1]:
         return ["reading the trainer's environment (/proc/<pid>/environ: same uid, and no Landlock)"]
     return []
 
@@ -340,7 +367,7 @@ def isolation_gaps() -> list[str]:
 
 def _make_base(mode: str, uid: int, code: str) -> str:
     """base/run (the code's dir, with main.py) and, in the namespace modes, base/root (a mount point)."""
-    remove_run_dirs_of_dead_processes()
+    confine.remove_run_dirs_of_dead_processes()
     base = tempfile.mkdtemp(prefix=f"sandbox-{os.getpid()}-")
     run_dir = os.path.join(base, "run")
     os.mkdir(run_dir)
@@ -370,38 +397,10 @@ def _env(mode: str, base: str) -> dict[str, str]:
     }
 
 
-def _user_process_count() -> int:
-    uid = os.getuid()
-    n = 0
-    for pid in os.listdir("/proc"):
-        try:
-            n += pid.isdigit() and os.stat(f"/proc/{pid}").st_uid == uid
-        except OSError:
-            pass
-    return n
-
-
 def _nproc(mode: str) -> int:
     """RLIMIT_NPROC: counts the processes of the run's real uid, which is ours unless it drew one."""
-    return MAX_PROCESSES if _draws_uid(mode) or os.geteuid() == 0 else _user_process_count() + MAX_PROCESSES
-
-
-def _kill_run(pgid: int, uid: int | None) -> bool:
-    """SIGKILL every process of a run: its process group, and every process of its drawn `uid`
-    (root only). True if one was still alive (not a zombie: the run's orphans go to init, which reaps
-    them in its own time; until then they hold their pids in the pids cgroup)."""
-    found = False
-    for pid in os.listdir("/proc"):
-        try:
-            if not pid.isdigit():
-                continue
-            state, _, pgrp = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[:3]
-            if int(pgrp) == pgid or os.stat(f"/proc/{pid}").st_uid == uid:
-                os.kill(int(pid), signal.SIGKILL)
-                found = found or state != "Z"
-        except (OSError, IndexError, ValueError):  # exited meanwhile
-            pass
-    return found
+    drawn_or_root = _draws_uid(mode) or os.geteuid() == 0
+    return MAX_PROCESSES + (0 if drawn_or_root else confine.user_process_count())
 
 
 async def _drain(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, bytes, int]:
@@ -420,6 +419,33 @@ async def _drain(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, bytes, 
     return bytes(head), bytes(tail), total
 
 
+async def _reaper_status(sock: socket.socket) -> int | None:
+    """The code's exit status as `_REAPER` reports it; None if it said nothing."""
+    sock.setblocking(False)
+    loop, data = asyncio.get_running_loop(), b""
+    while not data.endswith(b"\n") and (chunk := await loop.sock_recv(sock, 16)):
+        data += chunk
+    return int(data) if data.strip().isdigit() else None
+
+
+async def _end_run(proc: asyncio.subprocess.Process, uid: int | None, reaper: socket.socket | None) -> None:
+    """Kill every process of the run and wait until they are gone (a fork bomb is bounded by RLIMIT_NPROC
+    or the pids cgroup: a few rounds). The first process goes first (`unshare`: the pid namespace dies
+    after it, not with it), or last (a reaper: what it still holds would go to init)."""
+    if reaper is None:
+        _signal_kill(proc)
+    deadline = time.monotonic() + 5
+    while set((left := confine.kill_run(proc.pid, uid)).values()) - {"Z"} and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+    if reaper is not None:
+        reaper.close()  # its cue to exit, where it waits for it
+        _signal_kill(proc)
+        # its zombies go to init, which reaps them soon; until then they fill the pids cgroup
+        while any(os.path.exists(f"/proc/{pid}") for pid in left) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+    await proc.wait()
+
+
 def _signal_kill(proc: asyncio.subprocess.Process) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # start_new_session: the group id is the pid
@@ -435,8 +461,7 @@ async def run_python(
 ) -> SandboxResult:
     """Run `code` as a fresh `python -I main.py` in a fresh directory (the cold path); see the module
     docstring. No concurrency cap: use a shared `Sandbox` for that. Never raises for anything the code
-    does; a failure to start is reported in `error`.
-    """
+    does; a failure to start is reported in `error`."""
     mode, budget = isolation_mode(), memory_budget_bytes
     uid = random.SystemRandom().randint(*UID_RANGE)  # OS entropy: immune to random.seed()
     start = time.monotonic()
@@ -444,48 +469,35 @@ async def run_python(
     ooms_before = confine.oom_kills(cgroup)
     base = _make_base(mode, uid, code)
     run_dir = os.path.join(base, "run")
-    timed_out, error = False, ""
+    timed_out, error, status = False, "", None
     head, tail, total = b"", b"", 0
     proc = None
-    ours, theirs = socket.socketpair() if _maps_ids(mode) else (None, None)
+    reaper, owner = _reaps(mode, budget), uid if _draws_uid(mode) else None
+    ours, theirs = socket.socketpair() if _maps_ids(mode) or reaper else (None, None)
+    limits = (timeout_s, _nproc(mode), confine.cgroup_procs(budget), _unbounded(mode, budget))
     try:
         try:
             proc = await asyncio.create_subprocess_exec(
-                *_command(mode, base, uid),
+                *_command(mode, base, uid, reaper=reaper),
                 cwd=run_dir,
                 env=_env(mode, base),
                 stdin=theirs.fileno() if theirs else asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=functools.partial(
-                    _preexec,
-                    mode,
-                    run_dir,
-                    timeout_s,
-                    _nproc(mode),
-                    confine.cgroup_procs(budget),
-                    _unbounded(mode, budget),
-                ),
+                preexec_fn=functools.partial(_preexec, mode, run_dir, *limits),
             )
         finally:
             if theirs:
                 theirs.close()
-        if ours:
+        if _maps_ids(mode):
             await asyncio.to_thread(_map_ids, proc.pid, ours)
         drain = asyncio.ensure_future(_drain(proc.stdout, max_output_bytes))
         try:
-            await asyncio.wait_for(proc.wait(), timeout_s)
+            status = await asyncio.wait_for(_reaper_status(ours) if reaper else proc.wait(), timeout_s)
         except TimeoutError:
             timed_out = True
-        # Always: kill what is left (the code on timeout; background children after a normal exit),
-        # and wait until it is gone (a pid namespace dies after `unshare`, not with it): a fork bomb
-        # is bounded by RLIMIT_NPROC or the pids cgroup, so this converges in a few rounds.
-        _signal_kill(proc)
-        deadline = time.monotonic() + 5
-        while _kill_run(proc.pid, uid if _draws_uid(mode) else None) and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)
-        await proc.wait()
+        await _end_run(proc, owner, ours if reaper else None)
         try:
             head, tail, total = await asyncio.wait_for(drain, 2.0)
         # A writer escaped the kill (only possible without namespaces).
@@ -494,10 +506,12 @@ async def run_python(
     except (OSError, subprocess.SubprocessError) as e:
         error = f"sandbox failed to start: {e}"
     finally:
+        if proc is not None and proc.returncode is None:  # cancelled: the run ends here all the same
+            await _end_run(proc, owner, None)
         if ours:
             ours.close()
         shutil.rmtree(base, ignore_errors=True)
-    exit_code = None if proc is None else proc.returncode
+    exit_code = None if proc is None else proc.returncode if status is None or not reaper else status
     oom = confine.oom_kills(cgroup) > ooms_before
     return _result(
         start, (head, tail, total), exit_code, timed_out, error, timeout_s, oom, memory_budget_bytes
@@ -590,6 +604,9 @@ class _ForkServer:
                     self.ready = False
                 finally:
                     self.sock.settimeout(None)
+                # Its namespaces are made: nothing uses its dir any more, and a process that leaves by
+                # os._exit (the rollout process) or SIGKILL would leave it behind.
+                shutil.rmtree(self.base, ignore_errors=True)
             return self.ready
 
     def stop(self) -> None:
@@ -674,23 +691,6 @@ async def _run_warm(
     oom = confine.oom_kills(cgroup) > ooms_before
     exit_code, timed_out = reply.get("status"), reply.get("timed_out", False)
     return _result(start, (head, tail, total), exit_code, timed_out, error, timeout_s, oom, budget)
-
-
-@functools.cache
-def remove_run_dirs_of_dead_processes() -> None:
-    """Each run removes its own dir, but a SIGKILLed trainer leaves those of its live runs (the runs
-    die with it, by PR_SET_PDEATHSIG; nobody is left to clean up). Run dirs are named after the pid of
-    the process that made them, and the first run of every process removes those of dead pids."""
-    for path in glob.glob(os.path.join(tempfile.gettempdir(), "sandbox-*-*")):
-        owner = os.path.basename(path).split("-")[1]
-        if not owner.isdigit():
-            continue
-        try:
-            os.kill(int(owner), 0)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-        except PermissionError:  # alive, someone else's
-            pass
 
 
 def _signal_name(n: int) -> str:
