@@ -122,6 +122,21 @@ def _build_one_huge_group(*, expected_version):
     return _OneHugeGroup()
 
 
+def _blocked_in_a_write(build) -> RolloutProcess:
+    """A started rollout process whose worker (`build`) has one group larger than a pipe holds, once the
+    child reported it sent: its queue's feeder thread is then blocked in the write."""
+    worker = RolloutProcess()
+    worker.build(build, lambda: 0, start_version=0)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while worker._groups_sent < 1 and time.monotonic() < deadline:  # from its reports
+        worker._read_reports()
+        time.sleep(0.1)
+    assert worker._groups_sent == 1
+    time.sleep(0.5)  # the feeder thread is in the write by now: the pipe holds 64 KiB
+    return worker
+
+
 @pytest.mark.timeout(120)
 def test_a_child_killed_mid_message_is_seen_dead_not_waited_for():
     """The child dies (SIGKILL, out of memory) halfway through writing a group into the pipe: the
@@ -130,15 +145,7 @@ def test_a_child_killed_mid_message_is_seen_dead_not_waited_for():
     import signal
     import threading
 
-    worker = RolloutProcess()
-    worker.build(_build_one_huge_group, lambda: 0, start_version=0)
-    worker.start()
-    deadline = time.monotonic() + 60
-    while worker._groups_sent < 1 and time.monotonic() < deadline:  # from its reports
-        worker._read_reports()
-        time.sleep(0.1)
-    assert worker._groups_sent == 1
-    time.sleep(0.5)  # its queue's feeder thread is blocked in the write: the pipe holds 64 KiB
+    worker = _blocked_in_a_write(_build_one_huge_group)
     os.kill(worker._proc.pid, signal.SIGKILL)
     worker._proc.join(10)
     outcome: list = []
@@ -176,15 +183,7 @@ def test_a_stopped_child_delivers_its_last_group_and_report_whole():
     report larger than the pipe: the child flushes both before it exits, so the trainer sees the final
     counters (the failed rows a resume must count as used). An exit that does not wait for its queues'
     feeder threads cuts both, and the trainer keeps the report before it."""
-    worker = RolloutProcess()
-    worker.build(_build_huge_group_then_huge_report, lambda: 0, start_version=0)
-    worker.start()
-    deadline = time.monotonic() + 60
-    while worker._groups_sent < 1 and time.monotonic() < deadline:  # from its reports
-        worker._read_reports()
-        time.sleep(0.1)
-    assert worker._groups_sent == 1
-    time.sleep(0.5)  # its queue's feeder thread is blocked in the write: the pipe holds 64 KiB
+    worker = _blocked_in_a_write(_build_huge_group_then_huge_report)
     worker.stop(timeout_s=5.0)
     assert not worker.alive and worker._proc.exitcode == 0
     assert worker.stats.failed_rows == list(range(200_000))
