@@ -71,21 +71,33 @@ $(STAMPS)/chromium:
 		apt-get install -y -qq chromium >/dev/null); then mkdir -p $(STAMPS) && touch $@; \
 	else echo "chromium could not be installed: tests/test_viewer.py's browser tests will skip"; fi
 
-# Two passes at once: the slow tests, and beside them at the lowest CPU priority the quick ones that start
-# no sandbox (tests/conftest.py marks the others `sandbox`: the sandbox tests assert machine-wide that no
-# sandbox uid has a process left). The slow tests leave a core idle much of the time (a vLLM start-up is
-# one core importing, a trainer waits on its server); the quick ones take that core and little else.
-# The quick pass runs on torch's AVX2 kernels (ATEN_CPU_CAPABILITY=avx2), the slow pass on the machine's
+# Three pytest sessions at once (tests/conftest.py): the slow tests in two streams, and beside them at the
+# lowest CPU priority the quick tests that start no sandbox (marked `sandbox` otherwise). A slow stream leaves
+# a core idle much of the time (a vLLM start-up is one core importing, a trainer waits on its server); the
+# other stream and the quick pass take it. test_sandbox.py asserts machine-wide that no sandbox uid has a
+# process left, so it runs first in the first stream, and the second stream (`stream2`) runs only modules
+# that start no sandbox until it is done (.sandbox-tests.done). Each stream prints its 10 slowest tests;
+# the second's and the quick pass's logs are .stream2-tests.log and .quick-tests.log.
+# The quick pass runs on torch's AVX2 kernels (ATEN_CPU_CAPABILITY=avx2), the slow streams on the machine's
 # best (AVX-512 where it has it): float32 sums in both orders every run, so a tolerance tuned on one CPU
 # fails here, not on a newcomer's machine (tests/test_train.py's hand-written steps did).
+PYTEST := .venv/bin/pytest -q -p no:cacheprovider
+
 test: install tiny-model $(STAMPS)/chromium
 	.venv/bin/ruff check .
-	@ATEN_CPU_CAPABILITY=avx2 nice -n 19 .venv/bin/pytest -q --timeout 300 -m "not slow and not sandbox" -p no:cacheprovider \
+	@rm -f .sandbox-tests.done; \
+	ATEN_CPU_CAPABILITY=avx2 nice -n 19 $(PYTEST) --timeout 300 -m "not slow and not sandbox" \
 		> .quick-tests.log 2>&1 & quick=$$!; \
-	.venv/bin/pytest -q --timeout 900 -m "slow or sandbox" --durations 15; slow=$$?; \
-	wait $$quick; quick_rc=$$?; echo "--- the quick tests, run beside the slow ones:"; \
+	SANDBOX_TESTS_DONE=.sandbox-tests.done $(PYTEST) --timeout 900 -m "slow and stream2" --durations 10 \
+		> .stream2-tests.log 2>&1 & second=$$!; \
+	$(PYTEST) --timeout 900 tests/test_sandbox.py; sandbox=$$?; touch .sandbox-tests.done; \
+	$(PYTEST) --timeout 900 -m "(slow or sandbox) and not stream2" --ignore tests/test_sandbox.py \
+		--durations 10; first=$$?; \
+	wait $$second; second_rc=$$?; echo "--- the second stream of slow tests:"; \
+	if [ $$second_rc -eq 0 ]; then tail -n 14 .stream2-tests.log; else cat .stream2-tests.log; fi; \
+	wait $$quick; quick_rc=$$?; echo "--- the quick tests:"; \
 	if [ $$quick_rc -eq 0 ]; then tail -n 2 .quick-tests.log; else cat .quick-tests.log; fi; \
-	test $$slow -eq 0 && test $$quick_rc -eq 0
+	test $$sandbox -eq 0 && test $$first -eq 0 && test $$second_rc -eq 0 && test $$quick_rc -eq 0
 
 # The edit loop: every test that needs no vLLM server, no warm model and no training run (tests/conftest.py
 # marks the others `slow`): loss, records, chat format, sampling maths, batches, arguments. The random
@@ -147,4 +159,4 @@ lint: install
 	.venv/bin/ruff format --check .
 
 clean:
-	rm -rf .venv $(STAMPS) models runs .pytest_cache .ruff_cache .hypothesis .quick-tests.log
+	rm -rf .venv $(STAMPS) models runs .pytest_cache .ruff_cache .hypothesis .quick-tests.log .stream2-tests.log .sandbox-tests.done

@@ -63,6 +63,19 @@ SLOW_TESTS = {
 # uid has a process left. In that pass (`-m "... not sandbox"`) a sandbox start fails the test, saying so.
 SANDBOX_TESTS = {"test_envs.py::test_code_interpreter", "test_envs.py::test_episodes_are_isolated"}
 
+# `make test` runs the slow tests in two streams side by side, each a pytest session with its own servers
+# (one stream leaves a core idle much of the time: a vLLM start-up is one core importing, a trainer waits
+# on its server). The first runs test_sandbox.py alone, then its other slow tests; the second
+# (`stream2`: these modules) runs its SANDBOX_FREE modules first and waits for test_sandbox.py to be
+# done (the file named by $SANDBOX_TESTS_DONE) before any other: test_sandbox.py asserts machine-wide
+# that no sandbox uid has a process left. Balanced by the module times of `--durations 0`.
+SANDBOX_FREE = {  # no sandbox process, in-process (refused, below) or in a trainer they start
+    "test_sampling.py", "test_resume.py", "test_weight_sync.py", "test_tokenizer.py", "test_vllm_server.py",
+    "test_readme_env.py", "test_gpu_check.py", "test_distributed.py",
+}  # fmt: skip
+SECOND_STREAM = SANDBOX_FREE | {"test_lora.py", "test_viewer.py", "test_multinode.py", "test_fidelity.py"}
+SANDBOX_DONE = os.environ.get("SANDBOX_TESTS_DONE")
+
 
 def _listed(path: str, tests: set[str]) -> bool:
     return any(path == t or path.startswith(t + "::") or path.startswith(t + "[") for t in tests)
@@ -77,18 +90,47 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(pytest.mark.slow)
         if _listed(path, SANDBOX_TESTS):
             item.add_marker(pytest.mark.sandbox)
+        if path.split("::")[0] in SECOND_STREAM:
+            item.add_marker(pytest.mark.stream2)
+    if SANDBOX_DONE:  # the second stream: the modules that start no sandbox first (a stable sort)
+        items.sort(key=lambda item: _module(item) not in SANDBOX_FREE)
+
+
+def _module(item) -> str:
+    return item.nodeid.split("/")[-1].split("::")[0]
+
+
+def _sandbox_tests_running() -> bool:
+    return bool(SANDBOX_DONE) and not Path(SANDBOX_DONE).exists()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item) -> None:
+    """The second stream: before a module that may start sandboxes (and its fixtures: a trainer run),
+    wait until test_sandbox.py is done."""
+    if not _sandbox_tests_running() or _module(item) in SANDBOX_FREE:
+        return
+    deadline = time.monotonic() + START_TIMEOUT + 1800
+    while _sandbox_tests_running():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{SANDBOX_DONE} never appeared: test_sandbox.py did not finish in the other stream")
+        time.sleep(1.0)
 
 
 @pytest.fixture(autouse=True)
 def _no_sandbox_beside_the_slow_tests(request, monkeypatch) -> None:
-    if "not sandbox" not in (request.config.option.markexpr or ""):
+    if "not sandbox" in (request.config.option.markexpr or ""):
+        way_out = "list it in conftest.SANDBOX_TESTS"
+    elif _sandbox_tests_running() and _module(request.node) in SANDBOX_FREE:
+        way_out = "take its module out of conftest.SANDBOX_FREE"
+    else:
         return
     import envs.sandbox
 
     def refuse(*_args, **_kwargs):
         raise AssertionError(
-            f"{request.node.nodeid} starts sandbox processes: list it in conftest.SANDBOX_TESTS (make test "
-            "runs those apart from the slow tests, whose sandbox checks see every sandbox uid's processes)"
+            f"{request.node.nodeid} starts sandbox processes beside test_sandbox.py, whose checks see every "
+            f"sandbox uid's processes: {way_out}"
         )
 
     monkeypatch.setattr(envs.sandbox, "_make_base", refuse)
