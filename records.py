@@ -43,6 +43,7 @@ class TurnRecord:
     tool_calls: tuple[ToolCallRecord, ...] = ()  # parsed from the generated text, with their results
     appended_ids: tuple[int, ...] = ()  # after the turn: tool responses + next assistant header (mask 0)
     requests: int = 1  # vLLM requests that generated it (> 1: continued after a call, see continue_turn)
+    servers: tuple[str, ...] = ()  # the URL of the vLLM server that answered each of those requests
     generation_s: float = 0.0
     tool_s: float = 0.0
 
@@ -94,6 +95,7 @@ class RolloutCompletion:
                 max(last.model_versions[1], more.model_versions[1]),
             ),
             requests=last.requests + more.requests,
+            servers=last.servers + more.servers,
             generation_s=last.generation_s + more.generation_s,
         )
 

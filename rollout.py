@@ -59,6 +59,7 @@ class Generation:
     logprobs: list[float]
     finish_reason: str
     top: list[dict[int, float]] | None = None  # per token, when asked (logprobs: N, token ids as keys)
+    url: str = ""  # the server that generated it
 
 
 @dataclass
@@ -249,7 +250,7 @@ class VLLMClient:
             top_logprobs = choice["logprobs"].get("top_logprobs") or []
             top = [{int(k.rsplit(":", 1)[1]): float(v) for k, v in d.items()} for d in top_logprobs]
         return Generation(
-            list(ids), [float(lp) for lp in logprobs], choice.get("finish_reason") or "stop", top
+            list(ids), [float(lp) for lp in logprobs], choice.get("finish_reason") or "stop", top, url
         )
 
 
@@ -344,6 +345,7 @@ async def tool_loop_rollout(ctx: RolloutContext, episode, prompt_ids: list[int])
                 generated_logprobs=tuple(gen.logprobs),
                 finish_reason=gen.finish_reason,
                 model_versions=(v_start, ctx.version()),
+                servers=(gen.url,),
                 generation_s=time.monotonic() - t0,
             )
             if call_index == 0:

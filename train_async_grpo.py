@@ -67,13 +67,13 @@ from tqdm import tqdm
 import lora
 from batches import BatchTimeout, StreamPosition, batch_sequences, collect_groups
 from chat_format import ChatTemplate
-from checkpoint import check_row_stream, latest_checkpoint, resume_from, row_stream_identity, save_checkpoint
+from checkpoint import checkpoint_to_resume, resume_from, row_stream_identity, save_checkpoint
 from distributed import broadcast_message, place_ranks
 from envs import ENVS, episode_maker, verify
 from envs.confine import parse_cpus
-from envs.data import load_rows
+from envs.data import load_datasets
 from evaluate import evaluate
-from fidelity import TOP_N, FidelityError, Prober, check_after_sync, worst_gaps
+from fidelity import TOP_N, FidelityError, Prober, SyncChecks, probe_at_start
 from metrics import (
     NoTracker,
     make_tracker,
@@ -161,6 +161,9 @@ parser.add_argument("--mini-batches", type=int, default=1, help="optimizer steps
 parser.add_argument("--gradient-checkpointing", choices=["auto", "on", "off"], default="auto",
                     help="recompute activations in backward; auto: on only when a micro-batch's would not "
                          "fit in free memory (trainer.choose_checkpointing; the start-up line says why)")
+parser.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                    help="torch.compile each decoder layer (trainer.compile_layers); auto: off until "
+                         "measured to pay")
 parser.add_argument("--sync-every", type=int, default=1, help="weight sync every N steps (a model version)")
 parser.add_argument("--fidelity-every", type=int, default=1,
                     help="after every N-th sync, re-score each server's probe with new weights (0: never)")
@@ -251,35 +254,6 @@ def check_args(args: argparse.Namespace) -> None:
         parser.error(f"--output-dir: {out_dir} is not writable; choose another directory")
 
 
-# SET-UP STEPS: each reads the arguments it names and returns what the run holds -----------------------------
-def load_datasets(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
-    """The training rows and (with --eval-every) the held-out ones; a dataset that cannot be read, has no
-    rows or a bad row ends the run here in one line, before any server or model starts."""
-
-    def load(flag: str, path: str, split: str) -> list[dict]:
-        try:
-            return load_rows(path, split)
-        except (ValueError, OSError) as e:  # not JSON lines, no rows, a bad row; a hub dataset not found
-            sys.exit(f"{flag} {path}: {e}")
-
-    rows = load("--dataset", args.dataset, "train")
-    eval_rows = load("--eval-dataset", args.eval_dataset, "test") if args.eval_every else []
-    return rows, eval_rows[: args.eval_limit]
-
-
-def checkpoint_to_resume(resume: str | None, out_dir: Path, row_stream: dict) -> Path | None:
-    """--resume: the checkpoint it names, or (no value) the latest in --output-dir; None without it.
-    Exits with one line if its row stream is not `row_stream` (checkpoint.check_row_stream)."""
-    if resume is None:
-        return None
-    ckpt = latest_checkpoint(out_dir) if resume == "latest" else Path(resume)
-    if ckpt is None:
-        parser.error(f"--resume: no checkpoint in {out_dir / 'checkpoints'}")
-    if (why := check_row_stream(ckpt, row_stream)) is not None:
-        parser.error(why)
-    return ckpt
-
-
 # THE RUN (rank 0): what the loop advances, and what a checkpoint, a heal and the shutdown need --------------
 @dataclass
 class Run:
@@ -303,7 +277,7 @@ class Run:
     servers: list = field(default_factory=list)  # launched here; none with --vllm-url
     syncer: object = None  # weight_sync.WeightSyncer, once the servers are up
     worker: object = None  # rollout_process.RolloutProcess (rank 0), given its worker once the servers are up
-    prober: object = None  # fidelity.Prober: the servers' fidelity probe, once they are up
+    checks: object = None  # fidelity.SyncChecks: the per-sync check, once the servers are up
     nonfinite: NonFiniteCount = field(default_factory=NonFiniteCount)  # steps train_step did not apply
     t_last: float = 0.0  # when the last step's metrics were taken (time.monotonic)
     request_s: float = 0.0  # the worker's request_seconds then
@@ -376,10 +350,9 @@ def start_rollouts(
     bf16 = args.compute_dtype == "bf16" or serving_dtype == "bfloat16"  # either side bf16: the KL bound
     prompts = [template.prompt_ids(make_episode(r).messages) for r in rows[:4]]
     served = (lambda: lora.adapter_name(run.syncer.version)) if args.lora_rank else model_name  # LoRA: v{n}
-    run.prober = Prober(
-        served, prompts, sampling_of(args), args.seed, run.model, bf16, run.world_size, device
-    )
-    fidelity = worst_gaps([run.prober.verify(u, run.prober.sample(u, bare=True)) for u in urls])
+    prober = Prober(served, prompts, sampling_of(args), args.seed, run.model, bf16, run.world_size, device)
+    fidelity = probe_at_start(prober, urls)
+    run.checks = SyncChecks(prober, run.syncer)
     print(
         f"fidelity probe: {len(urls)} server(s) sample what the trainer scores (max |Δ logprob| "
         f"{fidelity['fidelity/max_abs_diff']:.2g}, mismatch KL {fidelity['fidelity/mismatch_kl']:.2g}, "
@@ -422,11 +395,30 @@ def sync_if_due(run: Run) -> dict[str, float]:
             print(f"\nstep {run.step}: {e}", file=sys.stderr, flush=True)
         sync["sync/servers_failed"] = float(len(run.syncer.failed))
         # The weights have landed: turns finishing from now on are on this version (a server the check
-        # below takes out stops being routed to when it is).
+        # takes out stops being routed to when it is).
         run.worker.set_version(run.version)
+        # The check's requests run beside the next step; it finishes before that step's update (train_on).
+        # After the last step nothing more is trained: no check (a resume probes every server).
         if run.args.fidelity_every and run.version % run.args.fidelity_every == 0:
-            sync.update(check_after_sync(run.prober, run.syncer, run.version, run.step))
+            if run.step < run.args.max_steps:
+                run.checks.start(run.version, run.step)
     return sync
+
+
+def train_on(run: Run, groups: list, ref_model, device) -> tuple:
+    """Every rank trains its share of `groups` (train_step), less those a server found out of step
+    sampled: the last sync's check finishes before the update is applied (fidelity.SyncChecks.train).
+    Returns ((train/ metrics, sequences, completions logged, their π_old), or None when no group is
+    left; the groups trained)."""
+
+    def train(groups: list) -> tuple:
+        seqs = batch_sequences(groups)
+        logged, traced = mark_logged(groups, seqs, run.step, run.args.log_completions_every), {}
+        broadcast_message({"batch": seqs}, run.world_size)
+        step = (run.model, ref_model, run.optimizer, run.scheduler, seqs, run.args, 0, run.world_size, device)
+        return train_step(*step, traced), seqs, logged, traced
+
+    return run.checks.train(run.optimizer, groups, train)
 
 
 def stop_between_steps(world_size: int) -> dict:
@@ -539,9 +531,16 @@ def main(argv: list[str] | None = None) -> None:
 
     # SET-UP ------------------------------------------------------------------------------------------
     out_dir = Path(args.output_dir)  # made by check_args
-    rows, eval_rows = load_datasets(args)
+    eval_dataset = args.eval_dataset if args.eval_every else None
+    try:  # a dataset that cannot be read, has no rows or a bad row ends the run here, in one line
+        rows, eval_rows = load_datasets(args.dataset, eval_dataset, args.eval_limit)
+    except ValueError as e:
+        sys.exit(str(e))
     row_stream = row_stream_identity(rows, args.seed, args.dataset)
-    ckpt = checkpoint_to_resume(args.resume, out_dir, row_stream)
+    try:  # --resume: the checkpoint it names, or (no value) the latest in --output-dir
+        ckpt = checkpoint_to_resume(args.resume, out_dir, row_stream)
+    except ValueError as e:
+        parser.error(str(e))
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     try:  # --rollout-cpus: the rollout side there, the trainer on the rest
@@ -594,26 +593,25 @@ def main(argv: list[str] | None = None) -> None:
                 functools.partial(heal, run),
             )  # fmt: skip
 
-            # Every rank gets the batch and trains on its share of it (train_step).
+            # Every rank gets the batch and trains on its share of it (train_on).
             t_train = time.monotonic()
             trained_at = run.version  # the version the batch's lags are measured against
-            seqs = batch_sequences(groups)
-            logged, traced = mark_logged(groups, seqs, run.step, args.log_completions_every), {}
-            broadcast_message({"batch": seqs}, world_size)
-            train = train_step(
-                model, ref_model, optimizer, scheduler, seqs, args, rank, world_size, device, traced
-            )
-            run.step += 1
+            trained, groups = train_on(run, groups, ref_model, device)
             run.position.consume(g.row["_index"] for g in taken)  # trained, or dropped as a whole run would
+            if trained is None:  # every group sampled by a server out of step (fidelity/groups_dropped)
+                continue
+            train, seqs, logged, traced = trained
+            run.step += 1
             train_s = time.monotonic() - t_train
             nonfinite = train.pop("nonfinite")  # named on stderr, nothing synced
             too_many = run.nonfinite.record(nonfinite, run.step, args.max_nonfinite_steps)
             sync = dict(NO_SYNC) if nonfinite else sync_if_due(run)
             train["train/nonfinite_steps"] = float(run.nonfinite.total)
 
-            # Metrics: one dict per step (fidelity: the start-up probe's gaps, on the first line only).
+            # Metrics: one dict per step (fidelity: the start-up probe's on the first line, then the check
+            # of the sync before the step, finished in it).
             metrics = step_metrics(run, groups, (taken, dropped, skipped), trained_at, seqs, wait_s, train_s)
-            metrics |= train | sync | fidelity
+            metrics |= train | sync | fidelity | run.checks.logged()
             fidelity = {}
             if args.eval_every and (run.step % args.eval_every == 0 or run.step == args.max_steps):
                 metrics |= evaluate_now(run, eval_args)

@@ -5,7 +5,6 @@ the gathers of a weight sync, a re-score or a checkpoint. train_async_grpo.py de
 """
 
 import argparse
-import functools
 import math
 import os
 import sys
@@ -13,13 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import lora
 from batches import collate, pack, packed_attention, unapplied_attention
 from chat_format import ChatTemplate
 from checkpoint import param_checksum, save_checkpoint
-from distributed import broadcast_message, gather_traced, rank_micro_batches, reduce_over_ranks, shard_model
+from distributed import broadcast_message, gather_traced, load_sharded, rank_micro_batches, reduce_over_ranks
 from loss import grpo_loss
 from metrics import keep_traced
 from sampling import Sampling, rescore, token_logprobs
@@ -35,28 +36,48 @@ def sampling_of(args: argparse.Namespace) -> Sampling:
 
 def load_models(args: argparse.Namespace, ckpt: Path | None, device: torch.device, world_size: int):
     """(model, frozen reference model or None, param checksum of the loaded checkpoint or None).
-    fp32 weights and optimizer state whatever the compute dtype (see train_step); FSDP2 over ranks.
-    Both models attend within each sequence of a packed row (batches.packed_attention, named here)."""
+    fp32 weights and optimizer state whatever the compute dtype (see train_step); FSDP2 over ranks,
+    each rank materialising only its shard (distributed.load_sharded). Both models attend within each
+    sequence of a packed row (batches.packed_attention, named here)."""
     attn = packed_attention(device, args.compute_dtype)
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(f"trainer attention: {attn} (each packed sequence attends only to itself)", flush=True)
-    load = functools.partial(AutoModelForCausalLM.from_pretrained, attn_implementation=attn)
-    lora_rank = getattr(args, "lora_rank", 0)
-    # LoRA: the base is always --model (a checkpoint holds the adapter alone), frozen in the compute dtype
-    model = load(args.model if lora_rank else (ckpt or args.model), dtype=torch.float32).to(device)
-    if lora_rank:
-        model = lora.attach_for_training(model, args, ckpt, world_size)
+    lora_rank, sharded = getattr(args, "lora_rank", 0), world_size > 1
+    rank0 = not sharded or torch.distributed.get_rank() == 0
+
+    def build(path, dtype: torch.dtype, meta: bool = False) -> torch.nn.Module:
+        """The model at `path` with its weights on the CPU, or (meta) its skeleton without storage."""
+        if not meta:
+            return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(
+                AutoConfig.from_pretrained(path), dtype=dtype, attn_implementation=attn
+            )
+
+    def policy(meta: bool = False) -> torch.nn.Module:
+        # LoRA: the base is always --model (a checkpoint holds the adapter alone), frozen in the compute
+        # dtype; rank 0's copy reads the checkpoint's adapter, the skeleton gets it from there
+        m = build(args.model if lora_rank else (ckpt or args.model), torch.float32, meta)
+        return lora.attach_for_training(m, args, None if meta else ckpt) if lora_rank else m
+
+    # Under FSDP only rank 0 reads the weights (on the CPU); every rank builds a skeleton without storage
+    # and receives its shard of rank 0's copy (distributed.load_sharded, after checkpointing and compile
+    # are set on the skeleton below): no rank holds the whole model on its device.
+    full = policy() if rank0 else None  # first: LoRA's initial adapter takes one process's RNG draws
+    model = policy(meta=True) if sharded else full.to(device)
     model.train()
-    loaded_checksum = param_checksum(model.named_parameters()) if ckpt is not None else None
-    ref_model = None
+    loaded_checksum = None
+    if ckpt is not None:
+        checksum = param_checksum(full.named_parameters()) if rank0 else None
+        loaded_checksum = broadcast_message(checksum, world_size)
+    ref_model, ref_dtype = None, torch.bfloat16 if args.compute_dtype == "bf16" else torch.float32
     if args.kl_beta > 0 and not lora_rank:  # LoRA: the reference is the model with its adapter disabled
-        ref_dtype = torch.bfloat16 if args.compute_dtype == "bf16" else torch.float32  # frozen: no masters
-        ref_model = load(args.model, dtype=ref_dtype).to(device).eval()
-        ref_model.requires_grad_(False)
+        ref_model = build(args.model, ref_dtype, meta=sharded)  # frozen: no fp32 masters
+        ref_model = (ref_model if sharded else ref_model.to(device)).eval().requires_grad_(False)
     n_params = sum(p.numel() for p in model.parameters())
     on, why = choose_checkpointing(
         args.gradient_checkpointing, model.config, n_params, args.micro_batch_tokens, world_size,
-        args.compute_dtype == "bf16", free_memory(device, n_params * 4 * (1 - 1 / world_size)),
+        args.compute_dtype == "bf16", free_memory(device, -n_params * 4 / world_size if sharded else 0),
     )  # fmt: skip
     if on:
         model.gradient_checkpointing_enable()
@@ -64,10 +85,12 @@ def load_models(args: argparse.Namespace, ckpt: Path | None, device: torch.devic
             model.enable_input_require_grads()
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(f"gradient checkpointing: {'on' if on else 'off'} ({why})", flush=True)
-    if world_size > 1:
-        shard_model(model, args.compute_dtype)
+    compile_layers(getattr(args, "compile", "auto"), device, model, ref_model)  # before FSDP shards them
+    if sharded:  # one whole model at a time on rank 0's host: the policy's, then the reference's
+        model, full = load_sharded(model, full, device, args.compute_dtype), None
         if ref_model is not None:
-            shard_model(ref_model, args.compute_dtype)
+            ref_full = build(args.model, ref_dtype) if rank0 else None
+            ref_model = load_sharded(ref_model, ref_full, device, args.compute_dtype)
     return model, ref_model, loaded_checksum
 
 
@@ -121,6 +144,73 @@ def free_memory(device: torch.device, freed_later: float = 0.0) -> int | None:
         return None
     kib = [int(line.split()[1]) for line in meminfo.splitlines() if line.startswith("MemAvailable:")]
     return int(kib[0] * 1024 + freed_later) if kib else None
+
+
+def compile_layers(setting: str, device: torch.device, *models) -> str:
+    """--compile: each decoder layer's forward through torch.compile (inductor), in every model given
+    (None: skipped); returns the start-up line, printed on rank 0. "auto": on where the bench measured
+    it paying, which is nowhere yet: on CPU the step is no faster (figure 10: 0.91-0.99x) and the first
+    step waits 20-30 s more for inductor (docs/trainer.md); on CUDA it has not run (`make bench-gpu`
+    measures it: new_head_compile_on beside new_head), so it stays off there until it has. Per layer,
+    not the whole model: all layers share one set of graphs, and
+    what sits between them (checkpointing's recompute, FSDP2's gathers, transformers' output hooks)
+    stays eager: only `forward` is compiled, so hooks, parameter names and checkpoints are unchanged,
+    and FSDP2 shards the layers afterwards (torchtitan's order). The packed attention is left out of the
+    graph (torch.compiler.disable; per_sequence_sdpa loops over the row's sequences, varlen is one kernel
+    already), and its host-side kwargs go around the graph (_around_the_graph). What is compiled is
+    the norms, projections, rotary, SwiGLU and residuals, with dynamic=True: one graph for every
+    micro-batch (tests/test_trainer_perf.py counts the compiles, and compares the step with eager's)."""
+    on = setting == "on"
+    if setting != "auto":
+        why = f"--compile {setting}"
+    elif device.type == "cuda":
+        why = "auto: not yet measured on CUDA, make bench-gpu does; --compile on to try"
+    else:
+        why = f"auto: no faster on {device.type}"
+    if on:
+        for model in (m for m in models if m is not None):
+            name = model.config._attn_implementation
+            if not hasattr(ALL_ATTENTION_FUNCTIONS[name], "outside_the_graph"):
+                AttentionInterface.register(name, _outside_the_graph(ALL_ATTENTION_FUNCTIONS[name]))
+            for layer in model.modules():
+                if isinstance(layer, GradientCheckpointingLayer):  # transformers' decoder layers
+                    layer.forward = _around_the_graph(torch.compile(layer.forward, dynamic=True))
+    line = f"compiled decoder layers: {'on' if on else 'off'} ({why})"
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(line, flush=True)
+    return line
+
+
+# batches.attention_kwargs' host-side values (the row's sequence lengths, the longest): a compiled
+# layer given them would guard on them, recompiling for every new number of sequences in a row (a list's
+# length is part of its guard). They go around the graph, straight to the attention.
+HOST_ATTENTION_KWARGS = ("seq_lengths", "max_length_q", "max_length_k")
+_set_aside: dict = {}  # the running layer's (the trainer runs one forward at a time, in one thread)
+
+
+def _around_the_graph(compiled):
+    """A decoder layer's forward: HOST_ATTENTION_KWARGS set aside, eagerly, the rest to `compiled`.
+    Gradient checkpointing's recompute calls this again with the same kwargs."""
+
+    def forward(*args, **kwargs):
+        _set_aside.update({k: kwargs.pop(k) for k in HOST_ATTENTION_KWARGS if k in kwargs})
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            _set_aside.clear()
+
+    return forward
+
+
+def _outside_the_graph(attention):
+    """The packed attention, run eagerly from inside a compiled layer, with the kwargs set aside."""
+
+    @torch.compiler.disable
+    def packed(*args, **kwargs):
+        return attention(*args, **{**kwargs, **_set_aside})
+
+    packed.outside_the_graph = True
+    return packed
 
 
 def model_problem(model: str, max_context: int) -> str | None:
@@ -427,6 +517,8 @@ def follow_rank0(model, ref_model, optimizer, scheduler, tokenizer, args, out_di
                 )
             except NonFiniteWeights:  # every rank raised it; rank 0 says so and sends stop
                 pass
+        elif "sync" in message and args.lora_rank:
+            lora.whole_adapter(model)  # the adapter's gathers; rank 0 writes it (AdapterSyncer.sync)
         elif "sync" in message:
             sync_weights(syncer, model, message["sync"])
         elif "rescore" in message:

@@ -132,16 +132,28 @@ def _to_bytes(t: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------
 
 
+class HTTPStatusError(RuntimeError):
+    """A server's non-2xx answer: its `status` and its own `text`."""
+
+    def __init__(self, status: int, text: str):
+        super().__init__(f"HTTP {status}: {text[:1000]}")
+        self.status, self.text = status, text
+
+
 def post(url: str, path: str, body: dict | None, timeout_s: float) -> dict:
-    """POST JSON; raise with the server's own error text on a non-2xx answer."""
+    """POST JSON; HTTPStatusError with the server's own error text on a non-2xx answer (OSError when
+    none comes). An answer that is not JSON (vLLM's LoRA routes answer plain text) is {"text": …}."""
     data = json.dumps(body or {}).encode()
     req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
             text = r.read().decode()
     except urllib.error.HTTPError as e:
-        raise RuntimeError(f"HTTP {e.code}: {e.read().decode(errors='replace')[:1000]}") from None
-    return json.loads(text) if text else {}
+        raise HTTPStatusError(e.code, e.read().decode(errors="replace")) from None
+    try:
+        return json.loads(text) if text else {}
+    except ValueError:
+        return {"text": text}
 
 
 def _reset_kv(url: str, path: str, body: dict | None, timeout_s: float) -> dict:

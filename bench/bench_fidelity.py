@@ -2,7 +2,7 @@
 
     python bench/bench_fidelity.py [--model models/tiny-warm] [--repeats 5] [--out bench/results.json]
 
-One real vLLM server on the model; the check is what fidelity.check_after_sync runs for each
+One real vLLM server on the model; the check is what fidelity.SyncChecks runs for each
 server after a sync: the probe's PER_SYNC_PROMPTS (1) seeded PER_SYNC_TOKENS (32)-token completions
 with their top-20 logprobs (fidelity.probe, run request only) re-scored by the trainer
 (fidelity.verify_server). The step is one train_step on a batch of the default shape

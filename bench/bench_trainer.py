@@ -15,10 +15,14 @@ depend on it; its FLOPs do) and the real one on GPU.
 
 Train tokens/s: trainer.train_step on GRPO-shaped batches of random sequences (16-token prompts, the rest
 trained) through a Qwen2-shaped model with random weights and tied embeddings, in a subprocess per
-setting (so each has its own peak memory): old head / new head; on GPU also gradient checkpointing on /
-off, per-sequence sdpa / varlen attention and 8k / 16k micro-batches. MFU: (6 N + causal attention
-12 · len² · d_model per layer) FLOPs per trained batch over the device's dense bf16 peak (PEAK_TFLOPS by
-device name, or --peak-tflops); recomputation under checkpointing is not counted (the usual convention).
+setting (so each has its own peak memory), a new batch every step (new packings, as in training): old
+head / new head / new head with --compile on (trainer.compile_layers; its first step's seconds, the
+graphs inductor made and the recompiles after the first step, with inductor's cache empty; on CPU also
+compile off and on side by side in one process, side_by_side_child); on GPU also
+gradient checkpointing on / off, per-sequence sdpa / varlen attention and 8k / 16k micro-batches. MFU:
+(6 N + causal attention 12 · len² · d_model per layer) FLOPs per trained batch over the device's dense
+bf16 peak (PEAK_TFLOPS by device name, or --peak-tflops); recomputation under checkpointing is not
+counted (the usual convention).
 """
 
 import argparse
@@ -27,10 +31,12 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters, guard_failures
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file from anywhere
@@ -152,8 +158,39 @@ def step_flops(config, seqs: list[dict]) -> float:
     return 6 * n * tokens + 3 * attention
 
 
+def side_by_side_child(setting: dict) -> dict:
+    """--compile off and on in one process: two copies of the model, steps alternating on the same new
+    batches (which goes first alternates too), so the load of a shared machine slows both alike. The
+    figure is the median over the pairs of eager seconds / compiled seconds (> 1: compile pays)."""
+    device = torch.device(setting["device"])
+    attn = trainer.packed_attention(device, "fp32")
+    args = script.parser.parse_args(["--model", "m", "--micro-batch-tokens", str(setting["micro_batch"])])
+    args.compute_dtype = "fp32"
+    runs = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = qwen2_model(setting["preset"], device, attn)
+        if compiled:
+            trainer.compile_layers("on", device, model)
+        runs.append((model, *script.make_optimizer(model, args)))
+    n, lo, hi = setting["sequences"], setting["min_len"], setting["max_len"]
+    seconds: list[list[float]] = [[], []]
+    for rep in range(setting["repeats"] + 1):  # the first pair warms up (and compiles)
+        seqs = random_sequences(n, lo, hi, VOCAB, seed=rep)
+        for which in (0, 1) if rep % 2 else (1, 0):
+            t0 = time.perf_counter()
+            model, optimizer, scheduler = runs[which]
+            trainer.train_step(model, None, optimizer, scheduler, seqs, args, 0, 1, device)
+            seconds[which].append(time.perf_counter() - t0)
+    ratios = [e / c for e, c in zip(seconds[0][1:], seconds[1][1:])]
+    return {"speedup": round(statistics.median(ratios), 3), "pairs": [round(r, 3) for r in ratios],
+            "compile_s": round(seconds[1][0] - seconds[0][0], 1)}  # fmt: skip
+
+
 def step_child(setting: dict) -> dict:
     device = torch.device(setting["device"])
+    if setting.get("compile") == "side_by_side":
+        return side_by_side_child(setting)
     torch.manual_seed(0)
     bf16 = device.type == "cuda"
     attn = trainer.packed_attention(device, "bf16" if bf16 else "fp32")
@@ -162,15 +199,19 @@ def step_child(setting: dict) -> dict:
     model = qwen2_model(setting["preset"], device, attn)
     if setting["checkpointing"]:
         model.gradient_checkpointing_enable()
+    if setting.get("compile"):
+        trainer.compile_layers("on", device, model)
     args = script.parser.parse_args(["--model", "m", "--micro-batch-tokens", str(setting["micro_batch"])])
     args.compute_dtype = "bf16" if bf16 else "fp32"
     optimizer, scheduler = script.make_optimizer(model, args)
     if setting["head"] == "old":
         trainer.score = old_score
-    seqs = random_sequences(setting["sequences"], setting["min_len"], setting["max_len"], VOCAB)
-    tokens = sum(len(s["ids"]) for s in seqs)
-    seconds = []
-    for rep in range(setting["repeats"] + 1):  # the first warms up
+    # a new batch every step (same lengths' distribution): new packings, as in training, so a compiled
+    # model that recompiled for each would show it here
+    n, lo, hi = setting["sequences"], setting["min_len"], setting["max_len"]
+    batches = [random_sequences(n, lo, hi, VOCAB, seed=rep) for rep in range(setting["repeats"] + 1)]
+    seconds, graphs = [], []
+    for rep, seqs in enumerate(batches):  # the first warms up (and compiles, with "compile")
         if rep == 1 and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         elif rep == 1:
@@ -179,23 +220,29 @@ def step_child(setting: dict) -> dict:
         trainer.train_step(model, None, optimizer, scheduler, seqs, args, 0, 1, device)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        if rep:
-            seconds.append(time.perf_counter() - t0)
-    tok_s = tokens / statistics.median(seconds)
+        seconds.append(time.perf_counter() - t0)
+        graphs.append((counters["stats"]["unique_graphs"], sum(len(r) for r in guard_failures.values())))
+    timed = list(zip(batches, seconds))[1:]
+    tok_s = statistics.median(sum(len(s["ids"]) for s in seqs) / t for seqs, t in timed)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else peak_resident_bytes()
-    out = {"tok_s": round(tok_s, 1), "peak_gib": round(peak / 2**30, 2), "attention": attn}
+    out = {"tok_s": round(tok_s, 1), "peak_gib": round(peak / 2**30, 2), "attention": attn,
+           "first_step_s": round(seconds[0], 2)}  # fmt: skip
+    if setting.get("compile"):  # graphs and recompiles of the first step, and of the later ones
+        (g0, r0), (g, r) = graphs[0], graphs[-1]
+        out.update(graphs=g0, recompiles=r0, later_graphs=g - g0, later_recompiles=r - r0)
     if device.type == "cuda":
         tflops = setting["peak_tflops"] or peak_tflops(torch.cuda.get_device_name())
         if tflops:
-            out["mfu"] = round(
-                step_flops(model.config, seqs) / statistics.median(seconds) / (tflops * 1e12), 4
-            )
+            mfu = statistics.median(step_flops(model.config, seqs) / t / (tflops * 1e12) for seqs, t in timed)
+            out["mfu"] = round(mfu, 4)
     return out
 
 
 def step(setting: dict) -> dict:
     cmd = [sys.executable, __file__, "--child-step", json.dumps(setting)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    with tempfile.TemporaryDirectory() as cache:  # inductor's cache empty: the compile a first run waits for
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode:
         tail = done.stderr.strip().splitlines()[-1:] or ["?"]
         result = {"error": tail[0][:200]}  # e.g. out of memory: a figure, not a crash of the bench
@@ -243,7 +290,7 @@ def main() -> None:
     }  # fmt: skip
     # train steps
     base = {"device": args.device, "repeats": args.repeats, "peak_tflops": args.peak_tflops, "varlen": gpu,
-            "checkpointing": False, "head": "new"}  # fmt: skip
+            "checkpointing": False, "head": "new", "compile": False}  # fmt: skip
     if gpu:
         batch = {"sequences": 64, "min_len": 300, "max_len": 2300}
         runs = {}
@@ -255,17 +302,26 @@ def main() -> None:
                 "new_head_ckpt_on": step({**s, "checkpointing": True}),
                 "new_head_ckpt_on_16k": step({**s, "checkpointing": True, "micro_batch": 16384}),
                 "new_head_per_sequence_sdpa": step({**s, "varlen": False}),
+                "new_head_compile_on": step({**s, "compile": True}),  # beside new_head: compile off
+                "new_head_ckpt_on_16k_compile_on": step(
+                    {**s, "checkpointing": True, "micro_batch": 16384, "compile": True}
+                ),
             }
     else:
         batch = {"sequences": 8, "min_len": 150, "max_len": 600}
         s = {**base, **batch, "preset": "cpu-small", "micro_batch": 2048}
-        runs = {"cpu-small": {"old_head": step({**s, "head": "old"}), "new_head": step(s)}}
+        runs = {"cpu-small": {
+            "old_head": step({**s, "head": "old"}), "new_head": step(s),
+            "new_head_compile_on": step({**s, "compile": True}),
+            "compile_off_over_on_side_by_side": step({**s, "compile": "side_by_side", "repeats": 6}),
+        }}  # fmt: skip
     result["steps"] = runs
     result["settings"] = (
         f"{batch['sequences']} random sequences of {batch['min_len']}-{batch['max_len']} tokens per step, "
         f"Qwen2 shapes {', '.join(runs)} ({PRESETS}: hidden, MLP, layers, heads, KV heads), vocabulary "
         f"{VOCAB}, tied embeddings, AdamW, {'bf16 autocast over fp32 weights' if gpu else 'fp32, 1 thread'}; "
-        f"median of {args.repeats} steps after a warm-up, each setting in its own process"
+        f"median of {args.repeats} steps after a warm-up step, each on a new batch, each setting in its "
+        "own process with an empty inductor cache"
     )
     result["command"] = "python bench/bench_trainer.py " + " ".join(sys.argv[1:])
     key = "trainer_gpu" if gpu else "trainer"

@@ -7,7 +7,7 @@ Column mapping, first match wins (other columns are kept as they are):
   `####` (GSM8K) gives the text after the last `####`, with thousands separators removed.
 A file that is not JSON lines, has no rows, or has a row without a question or an answer raises
 ValueError naming the line or row index and the field, so a bad dataset fails before training
-starts (in one line: train_async_grpo.load_datasets).
+starts (in one line: `load_datasets`).
 """
 
 import json
@@ -74,3 +74,18 @@ def load_rows(path_or_name: str, split: str = "train") -> list[dict]:
     if not raw:
         raise ValueError("no rows")
     return normalize_rows(raw)
+
+
+def load_datasets(dataset: str, eval_dataset: str | None, eval_limit: int) -> tuple[list[dict], list[dict]]:
+    """The training rows (`dataset`, its train split) and the held-out ones (`eval_dataset`'s first
+    `eval_limit`, its test split; none without it). A dataset that cannot be read, has no rows or a bad
+    row raises ValueError in one line naming its flag."""
+
+    def load(flag: str, path: str, split: str) -> list[dict]:
+        try:
+            return load_rows(path, split)
+        except (ValueError, OSError) as e:  # not JSON lines, no rows, a bad row; a hub dataset not found
+            raise ValueError(f"{flag} {path}: {e}") from None
+
+    rows = load("--dataset", dataset, "train")
+    return rows, load("--eval-dataset", eval_dataset, "test")[:eval_limit] if eval_dataset else []

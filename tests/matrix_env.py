@@ -93,9 +93,15 @@ def install_checks(args) -> None:
         expected = reference_loss(t, args.loss_norm, args.kl_beta, kw)
         other = reference_loss(t, "sequence" if args.loss_norm == "token" else "token", args.kl_beta, kw)
         tol = dict(rel_tol=1e-4, abs_tol=1e-5)
+        # the norms can differ only where sequences of different lengths carry an advantage
+        lengths = {}
+        for s, m, a in zip(t["seq_index"], t["mask"], t["advantages"]):
+            if m and a:
+                lengths[s] = lengths.get(s, 0) + 1
         record(
             "loss", math.isclose(loss.item(), expected, **tol), loss=loss.item(), expected=expected,
             other=other, discriminates=not math.isclose(expected, other, **tol),  # other: the other norm
+            lengths_differ=len(set(lengths.values())) > 1,
         )  # fmt: skip
         return loss, metrics
 
@@ -131,7 +137,18 @@ def behaviour_minus_untruncated(args, seqs: list[dict], torch) -> list[float]:
     set, so it can only raise a logprob."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(args.resume or args.model, dtype=torch.float32).eval()
+    # LoRA: the base with the adapter resumed (a LoRA checkpoint holds it alone), or alone (a fresh B is 0)
+    if args.lora_rank:
+        import lora
+
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        if args.resume:
+            alpha = args.lora_alpha or 2 * args.lora_rank
+            model = lora.attach(model, args.lora_rank, alpha, args.lora_targets.split(","), torch.float32)
+            lora.read_adapter(model, args.resume)
+        model.eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.resume or args.model, dtype=torch.float32).eval()
     raised = []
     with torch.no_grad():
         for s in seqs:

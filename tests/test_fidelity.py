@@ -6,6 +6,7 @@ in bf16 (`bf16=True`), as on a GPU it would be the server's."""
 
 import asyncio
 import json
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -19,7 +20,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from chat_format import ChatTemplate
 from envs import episode_maker
 from envs.data import load_rows
-from fidelity import FidelityError, check_after_sync, probe, verify_server
+from fidelity import FidelityError, SyncChecks, probe, verify_server
+from records import RolloutCompletion, RolloutGroup, TurnRecord
 from rollout import GenerationError, VLLMClient
 from sampling import Sampling
 
@@ -74,8 +76,15 @@ def test_a_repetition_penalty_is_refused_in_bf16_and_fp32_and_a_faithful_server_
 
 
 # ---------------------------------------------------------------------------------------------------
-# the per-sync check (fidelity.check_after_sync) on real servers and a real weight sync
+# the per-sync check (fidelity.SyncChecks) on real servers and a real weight sync, beside the next step
 # ---------------------------------------------------------------------------------------------------
+def _group(k: int, url: str, versions: tuple[int, int]) -> RolloutGroup:
+    """A group whose one turn `url` generated over trainer `versions`; row {"k": k}."""
+    turn = TurnRecord((5,), (-0.1,), "stop", versions, servers=(url,))
+    completion = RolloutCompletion(1, [], turns=[turn])
+    return RolloutGroup([], [1], {"k": k}, [completion], [1.0], [0.5], admitted_version=versions[0])
+
+
 def _post(url: str, path: str, body: dict | None = None) -> dict:
     req = urllib.request.Request(
         url + path, data=json.dumps(body or {}).encode(), headers={"Content-Type": "application/json"}
@@ -106,18 +115,37 @@ def test_per_sync_check_resyncs_a_server_given_other_weights_and_takes_out_one_t
     run.syncer.init()
 
     sampled = []  # (url, start, end) of each sample call
+    next_step = threading.Event()  # the next step's work has begun
+    saw_next_step = []  # per request of the check: the next step began before its answer was taken
 
     def sample(url: str, bare: bool, seed: int = 0):
         t0 = time.monotonic()
+        if seed == 0:  # the check's first requests (the re-check's seed is 0 + version)
+            saw_next_step.append(next_step.wait(timeout=20))
         try:
             return probe(url, str(served_model), prompts, Sampling(0.7), seed, bare)
         finally:
             sampled.append((url, t0, time.monotonic()))
 
-    run.prober = SimpleNamespace(
+    prober = SimpleNamespace(
         sample=sample, verify=lambda url, samples: verify_server(url, samples, model, False, 1, cpu), seed=0,
         model=model, world_size=1,
     )  # fmt: skip
+    # The next step's batch: what each server sampled around version 1 (turns ending at version 0 may
+    # have run on version 1's weights: a request in flight over the sync), what one sampled after the
+    # next sync, what a server never found out of step sampled.
+    elsewhere = "http://127.0.0.1:9"
+    batch = [_group(0, good.url, (1, 1)), _group(1, raw.url, (0, 1)), _group(2, good.url, (0, 0)),
+             _group(3, good.url, (2, 2)), _group(4, elsewhere, (1, 1))]  # fmt: skip
+    trained, optimizer = [], torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def train_fn(groups):  # the next step: its batch packed, forward and backward, then the update
+        next_step.set()
+        trained.append([g.row["k"] for g in groups])
+        model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+        optimizer.step()
+        return "trained"
+
     try:
         sync_weights(run.syncer, model, 1)
         # Behind the trainer's back: the server loads other weights (the random base model) from disk,
@@ -129,7 +157,8 @@ def test_per_sync_check_resyncs_a_server_given_other_weights_and_takes_out_one_t
         )
         assert _weight_version(good.url) == "1"
         with pytest.raises(FidelityError, match="another distribution"):
-            run.prober.verify(good.url, run.prober.sample(good.url, False))
+            verify_server(good.url, probe(good.url, str(served_model), prompts, Sampling(0.7), 0, False),
+                          model, False, 1, cpu)  # fmt: skip
         # A client routing by our version keeps requests in flight on the server that stays out, as
         # the rollout worker does, while the check runs.
         # A request that reaches it after the pause waits there (vLLM queues it) until its timeout.
@@ -137,6 +166,11 @@ def test_per_sync_check_resyncs_a_server_given_other_weights_and_takes_out_one_t
             [raw.url], str(served_model), max_retries=0, request_timeout_s=10, expected_version=lambda: 1
         )
         failures = []
+        checks = SyncChecks(prober, run.syncer)
+
+        def the_check_beside_the_next_step():
+            checks.start(1, 1)  # after the sync of step 1: its requests go out, nothing waits for them
+            return checks.train(optimizer, batch, train_fn)  # step 2: the check finishes at its update
 
         async def requests_during_the_check():
             await client.open()
@@ -153,23 +187,32 @@ def test_per_sync_check_resyncs_a_server_given_other_weights_and_takes_out_one_t
             busy = asyncio.gather(*(keep_busy() for _ in range(4)))  # always some in flight
             try:
                 sampled.clear()
-                metrics = await asyncio.to_thread(check_after_sync, run.prober, run.syncer, 1, 1)
+                step2 = await asyncio.to_thread(the_check_beside_the_next_step)
                 await asyncio.wait_for(busy, timeout=60)  # the abort takes it out of routing
                 await asyncio.sleep(3)  # the client probes a down server every second: not readmitted
-                return metrics
+                return step2
             finally:
                 busy.cancel()
                 await client.close()
 
-        metrics = asyncio.run(requests_during_the_check())
+        step2 = asyncio.run(requests_during_the_check())
     finally:
         run.syncer.close()
+    metrics = checks.logged()
     err = capsys.readouterr().err
     print(metrics, err, sep="\n")
+    # The check did not hold the next step: its requests were answered only after that step began.
+    assert saw_next_step == [True, True], saw_next_step
+    # Its decision came before the step's update: the batch went through forward and backward, the
+    # check found both servers out of step, nothing was applied, and the batch was trained again
+    # without what they sampled around version 1.
+    assert trained == [[0, 1, 2, 3, 4], [3, 4]] and step2 == ("trained", batch[3:]), trained
+    assert metrics["fidelity/groups_dropped"] == 3.0
     assert metrics["fidelity/servers_resynced"] == 2.0 and metrics["fidelity/servers_out"] == 1.0
     # The two servers sampled at once: the second request began before the first one's answer came.
-    (_, start_a, end_a), (_, start_b, end_b) = sorted(sampled[:2], key=lambda x: x[1])
-    assert {u for u, *_ in sampled[:2]} == {good.url, raw.url} and start_b < end_a, sampled
+    first_two = sorted(sampled, key=lambda x: x[1])[:2]  # by start: the check's (then the re-checks)
+    (_, start_a, end_a), (_, start_b, end_b) = first_two
+    assert {u for u, *_ in first_two} == {good.url, raw.url} and start_b < end_a, sampled
     assert metrics["fidelity/max_abs_diff"] < 1e-3  # the re-synced one, in step again
     assert list(run.syncer.taken_out) == [raw.url] and run.syncer.urls == [good.url]
     assert f"{good.url} samples from another distribution" in err and "re-syncing it" in err
@@ -177,6 +220,56 @@ def test_per_sync_check_resyncs_a_server_given_other_weights_and_takes_out_one_t
     assert _weight_version(good.url) == "1" and _weight_version(raw.url) == "out-of-step"
     assert client.down == {raw.url}, "the server that stays out is still routed to"
     assert failures and "went away mid-rollout" in failures[-1]
+
+
+@pytest.mark.parametrize("world_size", [1, 2], ids=["one-process", "fsdp"])
+def test_the_check_rescores_the_synced_weights_and_no_update_takes_what_a_faulty_server_sampled(
+    monkeypatch, world_size
+):
+    """The per-sync check beside the next step, with stand-ins for the servers: its re-score sees the
+    weights that were synced (before the next update moves them) and the update never includes a group
+    sampled by the server it finds out of step. One process: the check finishes at the update, after
+    the batch's forward and backward (which are then done again without that group); FSDP: before the
+    batch goes out (the re-score is a message every rank acts on between batches)."""
+    import fidelity
+
+    model = torch.nn.Linear(2, 1, bias=False)
+    synced = model.weight.detach().clone()
+    seen = []  # the weights each re-score saw
+
+    def verify(url: str, samples: dict) -> dict:
+        seen.append(model.weight.detach().clone())
+        if url == "http://bad":
+            raise FidelityError("max |Δ logprob| 2e-3")
+        return {"fidelity/max_abs_diff": 1e-6}
+
+    def take_out(url: str, why: str) -> None:
+        syncer.urls.remove(url)
+        syncer.taken_out[url] = why
+
+    urls = ["http://good", "http://bad"]
+    syncer = SimpleNamespace(
+        urls=list(urls), groups=dict.fromkeys(urls), failed={}, taken_out={}, take_out=take_out
+    )
+    prober = SimpleNamespace(sample=lambda url, bare, seed=0: {}, verify=verify, seed=0, model=model,
+                             world_size=world_size)  # fmt: skip
+    monkeypatch.setattr(fidelity, "sync_weights", lambda *a, **k: {})  # the re-sync: "bad" stays out
+    monkeypatch.setattr(fidelity, "healthy", lambda url: True)
+    optimizer, trained = torch.optim.SGD(model.parameters(), lr=1.0), []
+    batch = [_group(0, "http://bad", (3, 3)), _group(1, "http://good", (3, 3))]
+
+    def train_fn(groups):  # each group's loss: k + 1 times the weights' sum
+        trained.append([g.row["k"] for g in groups])
+        sum((g.row["k"] + 1) * model.weight.sum() for g in groups).backward()
+        optimizer.step()
+
+    checks = SyncChecks(prober, syncer)
+    checks.start(3, 7)
+    assert checks.train(optimizer, batch, train_fn) == (None, batch[1:])
+    assert len(seen) == 3 and all(torch.equal(w, synced) for w in seen), (seen, synced)
+    assert trained == ([[0, 1], [1]] if world_size == 1 else [[1]]), trained
+    assert torch.equal(model.weight.detach(), synced - 2.0)  # group 1's gradient alone
+    assert checks.logged()["fidelity/groups_dropped"] == 1.0 and list(syncer.taken_out) == ["http://bad"]
 
 
 def test_vllm_minus_9999_is_read_as_minus_inf():

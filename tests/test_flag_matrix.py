@@ -1,7 +1,8 @@
 """The options researchers combine, run together through the real trainer: 2-3 real steps per case on
 real vLLM servers (the session's server of the case's model, tiny-warm or tiny-warm2, and one of the
-module's own beside it in the two-server cases; every case pushes its own weights in at start), every
-pair of options together in at least one case.
+module's own beside it in the two-server cases; every case pushes its own weights in at start; a LoRA
+case runs on the module's own servers, started with LoRA on), every pair of options together in at
+least one case.
 
 The options (each on or off in a case):
   T  truncation: --top-k 20 --top-p 0.9
@@ -13,7 +14,8 @@ The options (each on or off in a case):
   V  two servers
   F  two FSDP ranks (torchrun, gloo)
   Q  the Qwen3-thinking model (tiny-warm2, the official template) with --max-calls-per-turn 2
-  R  resume from an earlier case's checkpoint (of the same model)
+  R  resume from an earlier case's checkpoint (of the same model, and LoRA's if L is on)
+  L  a LoRA adapter: --lora-rank 8 (adapter-only syncs)
 --keep-zero-variance is on in every case: the tiny models' groups mostly have equal rewards, and
 without it batches would rarely come (their exact zero advantages are checked under Z). Weight decay
 makes every step move the weights.
@@ -38,20 +40,24 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import START_TIMEOUT
+from conftest import START_TIMEOUT, push_weights
 from safetensors.torch import load_file
 
+import lora
 from checkpoint import param_checksum
 from tests.matrix_env import CHECKS
 from vllm_server import VLLMServer, free_port, start_vllm_server
 
 REPO = Path(__file__).resolve().parent.parent
-OPTIONS = "TMZSKYVFQR"
-# A covering array of strength 2: each column is a 3-subset of cases 1-5 (case 0 has every option off),
-# so any two options are both on in some case, both off in case 0, and each on without the other.
-CASES = ["", "QFTMZK", "QVTMSY", "RFVTKS", "QRVZKY", "RFMZSY"]
-RESUME_FROM = {3: 0, 4: 2, 5: 0}  # a checkpoint of the same model
-ORDER = [0, 3, 5, 1, 2, 4]  # by model (one server pair at a time), each resume after its source
+OPTIONS = "TMZSKYVFQRL"
+# A covering array of strength 2: each column of TMZSKYVFQR is a 3-subset of cases 1-5 (case 0 has every
+# option off), so any two of them are both on in some case, both off in case 0, and each on without the
+# other. Ten is the most 6 cases hold (3-subsets of 5); L takes case 6 (with S alone: on without each
+# other option but S, which is off in cases 1 and 4) and cases 1 and 4 (with every option but S).
+CASES = ["", "QFTMZKL", "QVTMSY", "RFVTKS", "QRVZKYL", "RFMZSY", "LS"]
+RESUME_FROM = {3: 0, 4: 1, 5: 0}  # a checkpoint of the same model, LoRA's for a LoRA case
+ORDER = [0, 6, 3, 5, 1, 2, 4]  # by model (one server set at a time), each resume after its source
+LORA_RANK, LORA_SLOTS = 8, 4  # slots: --max-staleness 2 + 2, what a launched server gets
 FLAGS = {
     "T": ["--top-k", "20", "--top-p", "0.9"],
     "M": ["--mini-batches", "2"],
@@ -60,6 +66,7 @@ FLAGS = {
     "K": ["--kl-beta", "0.05"],
     "Y": ["--sync-every", "2", "--max-staleness", "2"],
     "Q": ["--chat-template", str(REPO / "tests" / "templates" / "qwen3.jinja"), "--max-calls-per-turn", "2"],
+    "L": ["--lora-rank", str(LORA_RANK)],
 }  # fmt: skip
 FP32_MAX_ABS_DIFF = 1e-3  # fidelity.py's fp32 bound; measured ~1e-5
 
@@ -67,10 +74,12 @@ FP32_MAX_ABS_DIFF = 1e-3  # fidelity.py's fp32 bound; measured ~1e-5
 def test_the_cases_cover_every_pair_of_options():
     for a, b in itertools.combinations(OPTIONS, 2):
         seen = {(a in case, b in case) for case in CASES}
-        assert seen == {(True, True), (True, False), (False, True), (False, False)}, (a, b)
+        every = {(True, True), (True, False), (False, True), (False, False)}
+        assert seen == every, (a, b)
     for case, source in RESUME_FROM.items():
         assert "R" in CASES[case] and "R" not in CASES[source]
-        assert ("Q" in CASES[case]) == ("Q" in CASES[source])
+        for same in "QL":  # the same model; a LoRA checkpoint (the adapter alone) for a LoRA case only
+            assert (same in CASES[case]) == (same in CASES[source])
         assert ORDER.index(source) < ORDER.index(case)
     assert sorted(ORDER) == list(range(len(CASES)))
     assert ["Q" in CASES[c] for c in ORDER] == sorted("Q" in CASES[c] for c in ORDER)  # one switch of model
@@ -79,27 +88,49 @@ def test_the_cases_cover_every_pair_of_options():
 class MatrixServers:
     """The session's server of a case's model (tiny-warm2's vocabulary, its <think> tokens, is not
     tiny-warm's: a server takes the weights of its own model only) and, for the two-server cases, one of
-    the module's own beside it (seed 1). The cases run grouped by model (ORDER): the module's own server
-    is replaced once, and each starts as the first case of its model begins, so its start-up overlaps
-    that case's run."""
+    the module's own beside it (seed 1). The cases run grouped by model (ORDER): the module's own servers
+    are replaced once, and start as the first case of their model begins, so their start-up overlaps
+    that case's run. A model with LoRA cases gets its own servers with LoRA on (the session's have it
+    off), two where a LoRA case has two servers; a LoRA case runs on them alone. A LoRA run sends no
+    base weights, so before one its servers get the model's own weights back where a full fine-tuning
+    case trained into them, and lose the adapters an earlier LoRA case left loaded (its `v{n}` names)."""
 
     def __init__(self, shared: dict[str, VLLMServer], log_dir: Path):
-        self.shared, self.log_dir, self.own, self.own_model = shared, log_dir, None, None
+        self.shared, self.log_dir, self.own, self.own_model = shared, log_dir, [], None
+        self.trained: set[str] = set()  # own servers a full fine-tuning case pushed its weights into
 
-    def urls(self, model: Path, two: bool) -> list[str]:
+    def urls(self, model: Path, two: bool, lora_case: bool) -> list[str]:
         if self.own_model != model:
             self.stop()
-            self.own = start_vllm_server(str(model), log_dir=self.log_dir, seed=1, wait=False)
+            options = [CASES[c] for c in range(len(CASES)) if _model(c) == model]
+            lora_on = any("L" in o for o in options)
+            n = 2 if any("L" in o and "V" in o for o in options) else 1
+            self.own = [
+                start_vllm_server(str(model), log_dir=self.log_dir, seed=1 + k, wait=False,
+                                  lora_rank=LORA_RANK if lora_on else 0, lora_slots=LORA_SLOTS)
+                for k in range(n)
+            ]  # fmt: skip
             self.own_model = model
+        if lora_case:
+            own = self.own[: 2 if two else 1]
+            for server in own:
+                server.wait_healthy(START_TIMEOUT)
+                for name in lora.served_adapters(server.url):
+                    lora._post(server.url, "/v1/unload_lora_adapter", {"lora_name": name}, 30)
+                if server.url in self.trained:
+                    push_weights(server.url, model)
+                    self.trained.discard(server.url)
+            return [s.url for s in own]
         if not two:
             return [self.shared[model.name].url]
-        self.own.wait_healthy(START_TIMEOUT)
-        return [self.shared[model.name].url, self.own.url]
+        self.own[0].wait_healthy(START_TIMEOUT)
+        self.trained.add(self.own[0].url)
+        return [self.shared[model.name].url, self.own[0].url]
 
     def stop(self) -> None:
-        if self.own is not None:
-            self.own.stop()
-        self.own, self.own_model = None, None
+        for server in self.own:
+            server.stop()
+        self.own, self.own_model, self.trained = [], None, set()
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +185,9 @@ def _command(case: int, out: Path, urls: list[str]) -> tuple[list[str], int]:  #
 
 
 def _checksum(model_dir: Path) -> float:
+    """Of the weights trained: the model's, or a LoRA checkpoint's adapter alone."""
+    if (model_dir / "adapter_model.safetensors").exists():
+        return param_checksum(load_file(model_dir / "adapter_model.safetensors").items())
     return param_checksum(load_file(model_dir / "model.safetensors").items())
 
 
@@ -161,7 +195,7 @@ def _checksum(model_dir: Path) -> float:
 def test_flag_matrix(case, servers, tmp_path):
     options = CASES[case]
     out = tmp_path / "run"
-    cmd, start = _command(case, out, servers.urls(_model(case), two="V" in options))
+    cmd, start = _command(case, out, servers.urls(_model(case), two="V" in options, lora_case="L" in options))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     with open(tmp_path / "stdout.log", "w") as stdout, open(tmp_path / "stderr.log", "w") as stderr:
         code = subprocess.run(cmd, cwd=REPO, stdout=stdout, stderr=stderr, timeout=900, env=env).returncode
@@ -183,24 +217,37 @@ def test_flag_matrix(case, servers, tmp_path):
         assert m["rollout/dropped_stale"] == 0 and m["perf/groups_failed"] == 0, m
         assert m["train/optimizer_steps"] == (2 if "M" in options else 1)
         assert (m["train/kl_ref"] > 0) == ("K" in options), m
-    # Every sync: the round-trip check ran on every server and found it in step.
+    # Every sync: the round-trip check ran on every server and found it in step. It runs beside the next
+    # step and lands on that step's line (the first line: the start-up probe's).
     syncs = [m for m in steps if m["sync/seconds"] > 0]
     every = 2 if "Y" in options else 1
     assert [m["step"] for m in syncs] == [m["step"] for m in steps if m["step"] % every == 0], steps
-    for m in syncs:
+    for m in [m for m in steps if m is steps[0] or (m["step"] - 1) % every == 0]:
         assert m["fidelity/seconds"] > 0 and m["fidelity/max_abs_diff"] <= FP32_MAX_ABS_DIFF, m
         assert m["fidelity/servers_out"] == 0 and m["fidelity/servers_resynced"] == 0, m
     counters = [ln for ln in r.stderr.splitlines() if ln.startswith("rollout counters:")]
     assert counters and "failed 0," in counters[-1], counters
 
-    # The weights moved: the final checkpoint is not the one the run started from.
+    # The weights moved: the final checkpoint is not the one the run started from (LoRA: the adapter
+    # is not the checkpoint's, nor a fresh one, whose B is zero).
     final = sorted((out / "checkpoints").glob("step_*"))[-1]
     assert final.name == f"step_{start + len(steps):06d}"
     if "R" in options:
         before = sorted((RUNS[RESUME_FROM[case]] / "checkpoints").glob("step_*"))[-1]
     else:
         before = _model(case)
-    assert _checksum(final) != pytest.approx(_checksum(before), rel=1e-9)
+    if "L" in options:
+        adapter = load_file(final / "adapter_model.safetensors")
+        assert (
+            not (final / "model.safetensors").exists()
+            and max(t.abs().max().item() for k, t in adapter.items() if "lora_B" in k) > 0
+        ), "the adapter did not move"
+        if "R" not in options:
+            before = None
+    if before is not None:
+        assert _checksum(final) != pytest.approx(_checksum(before), rel=1e-9)
+    # LoRA: every sync loaded the adapter alone (no weights sent); full fine-tuning: never an adapter.
+    assert [m.get("sync/adapter", 0.0) for m in syncs] == [1.0 if "L" in options else 0.0] * len(syncs), syncs
     if "R" in options:
         resumed = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("resumed from")]
         assert resumed and f"at step {start}," in resumed[0], resumed
@@ -281,12 +328,13 @@ def test_flag_matrix(case, servers, tmp_path):
     assert not [c for c in checks if not c["ok"]], [c for c in checks if not c["ok"]][:3]
     losses = [c for c in checks if c["check"] == "loss"]
     assert losses and len([c for c in checks if c["check"] == "tokens"]) == len(steps), checks[-3:]
-    sized = [c for c in losses if max(abs(c["expected"]), abs(c["other"])) > 1e-4]
+    sized = [c for c in losses if c["lengths_differ"] and max(abs(c["expected"]), abs(c["other"])) > 1e-4]
     if "S" in options and "Q" not in options and sized:
         # tiny-warm's sequences differ in length (tiny-warm2's mostly fill the context): a token mean and
-        # a mean of sequence means differ, unless every loss is ~0 under both (a run of only equal-reward
-        # groups, met in case 5 by two fresh-clone runs: its losses were 0 but for float noise, which
-        # neither norm can be told apart by; on-policy, the sequence norm's loss is 0 for any complete group)
+        # a mean of sequence means differ where a micro-batch holds sequences of different lengths with an
+        # advantage (case 6 once had only one such sequence per micro-batch), unless every loss is ~0
+        # under both (a run of only equal-reward groups, met in case 5 by two fresh-clone runs: its losses
+        # were 0 but for float noise; on-policy, the sequence norm's loss is 0 for any complete group)
         assert any(c["discriminates"] for c in sized), [(c["expected"], c["other"]) for c in losses]
     (first_step,) = [c for c in checks if c["check"] == "truncation"]
     if "T" in options:  # renormalised over the kept set: some trained token's logprob was raised

@@ -859,6 +859,7 @@ def test_real_multi_turn_rollouts_rescore_exactly(vllm_server, served_model, sam
             # 1. every turn's generated ids are exactly what vLLM returned for one request
             for t in c.turns:
                 assert tuple(t.generated_ids) in returned
+                assert t.servers == (vllm_server.url,) * t.requests  # the per-sync check drops by it
             # 2. every non-generated segment is the template's rendering of the tool turn it stands for
             tool_msgs = [m.message for m in c.trajectory if not m.generated]
             k = 0

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
 import train_async_grpo as script
 import trainer as T
@@ -146,3 +147,74 @@ def test_the_trainer_says_what_it_chose_and_why(tiny_model, capsys):
         line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("gradient checkpointing"))
         assert line.startswith(f"gradient checkpointing: {'on' if on else 'off'} (")
         assert ("free" in line) if setting == "auto" else ("--gradient-checkpointing on" in line)
+
+
+# ---------------------------------------------------------------------------------------------------
+# --compile: each decoder layer through torch.compile; the same step, one compile for every packing
+# ---------------------------------------------------------------------------------------------------
+def test_compile_auto_is_off_until_measured_to_pay_and_the_line_says_so(capsys):
+    for setting, device, on, why in [
+        ("auto", "cpu", False, "auto: no faster on cpu"),
+        ("auto", "cuda", False, "auto: not yet measured on CUDA, make bench-gpu does; --compile on to try"),
+        ("on", "cpu", True, "--compile on"),
+        ("off", "cuda", False, "--compile off"),
+    ]:
+        line = T.compile_layers(setting, torch.device(device))  # no model: only the choice
+        assert line == f"compiled decoder layers: {'on' if on else 'off'} ({why})"
+        assert capsys.readouterr().out == line + "\n"
+
+
+def _rms_norm_in_the_input_dtype(self, hidden: torch.Tensor) -> torch.Tensor:
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon))
+
+
+@pytest.mark.slow
+def test_compiled_layers_take_the_eager_step_and_compile_once(tiny_model, monkeypatch):
+    """Three train steps on batches packed three ways (other row lengths, more sequences per row),
+    in float64 (inductor's C++ kernels have it), eager against compiled with gradient checkpointing on
+    (its recompute calls the compiled forward), SGD steps (linear in the gradient): the same weights to
+    float64 rounding (~1e-16 per operation, reordered by inductor's fusions; 1e-10 is far above it and
+    far below the float32 rounding of 1e-7), so a compiled graph that drops, adds or rounds anything
+    fails here. The compiles are
+    counted: every graph is made by the first step, none by the two new packings (dynamic shapes; the
+    attention, which loops over the row's host-side lengths, is kept out of the graph), and the layers
+    share them (two layers, not twice the graphs of one)."""
+    from torch._dynamo.utils import counters, guard_failures
+
+    torch._dynamo.reset()
+    counters.clear()
+    guard_failures.clear()
+    # Qwen2's RMSNorm takes its mean square in float32 whatever the weights' dtype; inductor sums it in
+    # another order, so the two steps would differ by float32 rounding (~1e-7), not float64's. Both run
+    # the norm in float64 here: what is compared is the compiled graph, not the norm's chosen precision.
+    monkeypatch.setattr(Qwen2RMSNorm, "forward", _rms_norm_in_the_input_dtype)
+    args = script.parser.parse_args(["--model", "m", "--micro-batch-tokens", "24"])
+    args.compute_dtype = "fp32"
+    attn = T.packed_attention(torch.device("cpu"), "fp32")
+    weights = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(
+            tiny_model, dtype=torch.float64, attn_implementation=attn
+        )
+        if compiled:
+            model.gradient_checkpointing_enable()
+            assert T.compile_layers("on", torch.device("cpu"), model).endswith("on (--compile on)")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # linear in the gradient (AdamW is not)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+        graphs, recompiles = [], []
+        for n, budget in [(10, 24), (7, 40), (12, 64)]:  # rows of 1-2, then 2-3, then 4 sequences
+            args.micro_batch_tokens = budget
+            T.train_step(model, None, optimizer, scheduler, _seqs(n, seed=n), args, 0, 1, torch.device("cpu"))
+            graphs.append(counters["stats"]["unique_graphs"])
+            recompiles.append(sum(len(reasons) for reasons in guard_failures.values()))
+        weights.append({k: p.detach().clone() for k, p in model.named_parameters()})
+    start = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float64).state_dict()
+    assert max((weights[1][k] - start[k]).abs().max().item() for k in weights[1]) > 1e-4  # they moved
+    for k in weights[0]:
+        torch.testing.assert_close(weights[1][k], weights[0][k], rtol=1e-10, atol=1e-12, msg=k)
+    print(f"compiled graphs after each step: {graphs}, recompiles: {recompiles}")
+    assert recompiles[0] == recompiles[1] == recompiles[2], (recompiles, dict(guard_failures))
+    assert graphs[0] > 0 and graphs[0] == graphs[1] == graphs[2], graphs  # none for a new packing
+    assert graphs[0] <= 8, graphs  # one layer's pieces (around the attention), shared by both layers

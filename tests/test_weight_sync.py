@@ -830,13 +830,13 @@ def test_the_version_moves_before_the_per_sync_check_and_a_recheck_draws_a_new_s
     the check are on it); a server whose first check trips the bound is re-synced and checked with
     another seed, so the same bf16 noise does not take a healthy server out."""
     import train_async_grpo as T
-    from fidelity import FidelityError
+    from fidelity import FidelityError, SyncChecks
 
     servers = [FakeServer()]
     syncer, _ = fake_syncer("gloo", servers)
     syncer.init()
     events = []
-    args = SimpleNamespace(sync_every=1, fidelity_every=1, seed=7)
+    args = SimpleNamespace(sync_every=1, fidelity_every=1, seed=7, max_steps=10)
     worker = SimpleNamespace(set_version=lambda v: events.append(("version", v)))
 
     def sample(url: str, bare: bool, seed: int = args.seed) -> dict:
@@ -848,12 +848,14 @@ def test_the_version_moves_before_the_per_sync_check_and_a_recheck_draws_a_new_s
             raise FidelityError("max |Δ logprob| 2e-3")
         return {"fidelity/max_abs_diff": 1e-4}
 
+    prober = SimpleNamespace(sample=sample, verify=verify, seed=args.seed, model=torch.nn.Linear(2, 2),
+                             world_size=1)  # fmt: skip
     run = SimpleNamespace(args=args, step=1, version=0, servers=[], out_dir=tmp_path, syncer=syncer,
                           model=torch.nn.Linear(2, 2), world_size=1, worker=worker,
-                          prober=SimpleNamespace(sample=sample, verify=verify, seed=args.seed,
-                                                 model=torch.nn.Linear(2, 2), world_size=1))  # fmt: skip
+                          checks=SyncChecks(prober, syncer))  # fmt: skip
     (tmp_path / "vllm-logs").mkdir()
-    metrics = T.sync_if_due(run)
+    T.sync_if_due(run)
+    metrics = run.checks.finish()  # at the next step's update (SyncChecks.train)
     assert events[0] == ("version", 1), events
     assert [e for e in events if e[0] == "sample"] == [("sample", 7), ("sample", 8)], events
     assert syncer.taken_out == {} and metrics["fidelity/servers_resynced"] == 1.0
