@@ -51,13 +51,13 @@ def test_the_trainers_interface_over_the_process_boundary(vllm_server, served_mo
             time.sleep(0.1)
         assert os.sched_getaffinity(worker._proc.pid) == {cpus[-1]}
         with pytest.raises(queue.Empty):
-            worker.queue.get(timeout=10.0)  # it is built by now, but admits nothing before start()
+            worker.queue.get(timeout=2.0)  # built by now, it admits nothing before start() (counted below)
         assert worker.stats.groups_started == 0
         worker.start()
         first = worker.queue.get(timeout=300)
         assert first.admitted_version == 0 and len(first.completions) == 2
         with pytest.raises(queue.Empty):
-            worker.queue.get(timeout=5.0)  # version 0 admits one group only
+            worker.queue.get(timeout=2.0)  # version 0 admits one group only (a start shows in 0.2 s)
         assert worker.stats.groups_started == 1 and worker.client.stats.requests >= 2
 
         version["v"] = 1
@@ -70,7 +70,7 @@ def test_the_trainers_interface_over_the_process_boundary(vllm_server, served_mo
         time.sleep(2 * 0.2)  # the counters are at most a report period old
         assert worker.stats.groups_discarded == 1 and worker.stats.groups_done == 3
         with pytest.raises(queue.Empty):
-            worker.queue.get(timeout=3.0)  # 2 live groups at version 1, no staleness: nothing more
+            worker.queue.get(timeout=2.0)  # 2 live groups at version 1, no staleness: nothing more
     finally:
         t0 = time.monotonic()
         worker.stop(timeout_s=5.0)
