@@ -75,7 +75,10 @@ SANDBOX_FREE = {  # no sandbox process, in-process (refused, below) or in a trai
     "test_sampling.py", "test_resume.py", "test_weight_sync.py", "test_tokenizer.py", "test_vllm_server.py",
     "test_readme_env.py", "test_gpu_check.py", "test_distributed.py", "test_trainer_perf.py",
 }  # fmt: skip
-SECOND_STREAM = SANDBOX_FREE | {"test_lora.py", "test_viewer.py", "test_multinode.py", "test_fidelity.py"}
+SECOND_STREAM = SANDBOX_FREE | {
+    "test_lora.py", "test_viewer.py", "test_multinode.py", "test_fidelity.py", "test_guard.py",
+    "test_rollout_process.py",
+}  # fmt: skip
 SANDBOX_DONE = os.environ.get("SANDBOX_TESTS_DONE")
 
 
