@@ -77,7 +77,7 @@ def load_models(args: argparse.Namespace, ckpt: Path | None, device: torch.devic
     n_params = sum(p.numel() for p in model.parameters())
     on, why = choose_checkpointing(
         args.gradient_checkpointing, model.config, n_params, args.micro_batch_tokens, world_size,
-        args.compute_dtype == "bf16", free_memory(device, -n_params * 4 / world_size if sharded else 0),
+        args.compute_dtype == "bf16", free_memory(device, n_params * 4 / world_size if sharded else 0),
     )  # fmt: skip
     if on:
         model.gradient_checkpointing_enable()
@@ -133,17 +133,17 @@ def choose_checkpointing(
     return on, f"auto: {need} {fit} {CHECKPOINT_HEADROOM:.0%} of the {gib(free_bytes)} free"
 
 
-def free_memory(device: torch.device, freed_later: float = 0.0) -> int | None:
-    """Bytes free for training on `device` (CUDA: the driver's count; CPU: MemAvailable), plus
-    `freed_later` (the unsharded weights FSDP is about to free)."""
+def free_memory(device: torch.device, taken_later: float = 0.0) -> int | None:
+    """Bytes free for training on `device` (CUDA: the driver's count; CPU: MemAvailable), less
+    `taken_later` (under FSDP: the rank's shard of the weights, not on the device yet)."""
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0] + freed_later)
+        return int(torch.cuda.mem_get_info(device)[0] - taken_later)
     try:
         meminfo = Path("/proc/meminfo").read_text()
     except OSError:
         return None
     kib = [int(line.split()[1]) for line in meminfo.splitlines() if line.startswith("MemAvailable:")]
-    return int(kib[0] * 1024 + freed_later) if kib else None
+    return int(kib[0] * 1024 - taken_later) if kib else None
 
 
 def compile_layers(setting: str, device: torch.device, *models) -> str:

@@ -277,7 +277,7 @@ def test_a_lora_run_syncs_only_the_adapter_passes_every_check_and_resumes_after_
     holds the adapter alone and its AdamW state; the trainer is killed (-9) after it, and --resume
     restores both (the resumed model's checksum is the base's with the checkpoint's adapter, not a fresh
     one; AdamW's step count goes on from the checkpoint's) and loses or repeats no row."""
-    from test_train import _cmd, _model
+    from test_train import _cmd, _model, kill_launched_servers
 
     out = tmp_path / "run"
     # lr 5e-2: AdamW moves B (zero at the start) by ~lr a step, so the adapter changes what is sampled
@@ -292,12 +292,7 @@ def test_a_lora_run_syncs_only_the_adapter_passes_every_check_and_resumes_after_
         finally:
             os.kill(proc.pid, signal.SIGKILL)  # kill -9 mid-run
             proc.wait()
-            # The API server dies with it (PR_SET_PDEATHSIG) but vLLM's engine processes may not.
-            for server in json.loads((out / "vllm-logs" / "servers.json").read_text()):
-                try:
-                    os.killpg(server["pgid"], signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            kill_launched_servers(out)
     steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][1:]
     assert [m["step"] for m in steps[:2]] == [1, 2]
     for m in steps:

@@ -200,6 +200,16 @@ def _model() -> Path:
     return warm if (warm / "config.json").exists() else REPO / "models" / "tiny"
 
 
+def kill_launched_servers(out: Path) -> None:
+    """After a kill -9 of the trainer writing `out`: its launched servers' API servers die with it
+    (PR_SET_PDEATHSIG) but vLLM's engine processes may not, so their process groups go too."""
+    for server in json.loads((out / "vllm-logs" / "servers.json").read_text()):
+        try:
+            os.killpg(server["pgid"], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _cmd(out: Path, max_steps: int, *extra: str) -> list[str]:
     # Rewards of the tiny models are almost always all equal: --keep-zero-variance keeps the batches
     # coming, and weight decay makes every step change the weights (zero advantages give zero gradients),
@@ -233,12 +243,7 @@ def test_end_to_end_kill_and_resume(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)  # kill -9 mid-run
     proc.wait()
     log1.close()
-    # The API server dies with it (PR_SET_PDEATHSIG) but vLLM's engine processes may not: clean up.
-    for server in json.loads((out / "vllm-logs" / "servers.json").read_text()):
-        try:
-            os.killpg(server["pgid"], signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_launched_servers(out)
 
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert lines[0]["step"] == 0 and "eval/accuracy" in lines[0]  # the eval at start
