@@ -983,9 +983,23 @@ def test_reward_timeouts_reach_the_group_and_step_metrics(tokenizer, monkeypatch
     )  # fmt: skip
     worker._ctx = None  # the rollout_fn above needs no server
     row = {"question": "1+1?", "answer": "2", "_index": 0}
+    # A worker's start-up (importing sympy, 1-2 s quiet, 10 s and more under make test's load) is not
+    # the deadline's to bound: the hang bound below leaves it out, summed over the spawns.
+    spawn_s = []
+    spawn = verify.VerifyPool._spawn
+
+    def timed_spawn(pool):
+        t = time.monotonic()
+        try:
+            return spawn(pool)
+        finally:
+            spawn_s.append(time.monotonic() - t)
+
+    monkeypatch.setattr(verify.VerifyPool, "_spawn", timed_spawn)
+    monkeypatch.setattr(verify, "_pool", None)  # a pool of this test's, spawning through the wrapper
     t0 = time.monotonic()
     group = asyncio.run(worker._attempt_group(row, 0))
-    assert time.monotonic() - t0 < 10  # two hung answers cost one deadline each, side by side
+    assert time.monotonic() - t0 - sum(spawn_s) < 8  # two hung answers cost a 1 s deadline each, not forever
     assert group.rewards == [1.0, 0.0, 0.0, 0.0]
     assert group.metrics["rollout/reward_timeouts"] == 2.0
     group.staleness = 0  # set by the trainer when it takes the group
