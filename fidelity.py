@@ -204,7 +204,17 @@ def probe(
         ) from e
 
 
-PER_SYNC_PROMPTS, PER_SYNC_TOKENS = 1, 32  # after a sync: the start-up probe's first prompt, 32 tokens
+# After a sync: 4 seeded 8-token completions of the start-up prompts' last 64 tokens. As many positions
+# as one 32-token completion, at a quarter of its latency on a server busy with rollouts (8 decode
+# steps, not 32: the answer is in before the next step's optimizer step), and a short prefill and
+# re-score (the prompts share their first ~340 tokens, the system prompt). The same ids every sync, so a
+# server that kept its prefix cache over the sync serves them stale KV and is caught.
+PER_SYNC_PROMPTS, PER_SYNC_TOKENS, PER_SYNC_PROMPT_TOKENS = 4, 8, 64
+
+
+def per_sync_prompts(prompts: list[list[int]]) -> list[list[int]]:
+    """The per-sync check's prompts (PER_SYNC_PROMPTS above) from the start-up probe's."""
+    return [p[-PER_SYNC_PROMPT_TOKENS:] for p in prompts[:PER_SYNC_PROMPTS]]
 
 
 @dataclass
@@ -223,9 +233,7 @@ class Prober:
     device: object
 
     def sample(self, url: str, bare: bool, seed: int | None = None) -> dict[str, list[ProbeSample]]:
-        # After a sync (bare=False) one prompt's 32-token completion compares as many positions as two
-        # of 16 did, at half the re-scoring cost: the forward's cost is mostly the prompt.
-        prompts = self.prompts if bare else self.prompts[:PER_SYNC_PROMPTS]
+        prompts = self.prompts if bare else per_sync_prompts(self.prompts)
         tokens = PROBE_TOKENS if bare else PER_SYNC_TOKENS
         return probe(
             url, self.model_name, prompts, self.sampling, self.seed if seed is None else seed, bare, tokens

@@ -3,12 +3,13 @@
     python bench/bench_fidelity.py [--model models/tiny-warm] [--repeats 5] [--out bench/results.json]
 
 One real vLLM server on the model; the check is what fidelity.SyncChecks runs for each
-server after a sync: the probe's PER_SYNC_PROMPTS (1) seeded PER_SYNC_TOKENS (32)-token completions
-with their top-20 logprobs (fidelity.probe, run request only) re-scored by the trainer
-(fidelity.verify_server). The step is one train_step on a batch of the default shape
-(--prompts-per-step 8 × --num-generations 8 sequences of ~300 tokens, random ids: the cost does not
-depend on them). Both medians over --repeats, in the same run; the figure is their ratio. Prints one
-JSON object; with --out it is merged into that file.
+server after a sync: PER_SYNC_PROMPTS (4) seeded PER_SYNC_TOKENS (8)-token completions of the probe
+prompts' last 64 tokens with their top-20 logprobs (fidelity.probe, run request only), then the
+trainer's re-score of them (fidelity.verify_server). The request runs beside the next step's forward and
+backward; the re-score is on the trainer's path (the figure: rescore_s / train_step_s). The step is
+one train_step on a batch of the default shape (--prompts-per-step 8 × --num-generations 8 sequences
+of ~300 tokens, random ids: the cost does not depend on them). Medians over --repeats, in the same
+run. Prints one JSON object; with --out it is merged into that file.
 """
 
 import argparse
@@ -30,7 +31,7 @@ from bench.results import merge_results  # noqa: E402
 from chat_format import ChatTemplate  # noqa: E402
 from envs import episode_maker  # noqa: E402
 from envs.data import load_rows  # noqa: E402
-from fidelity import PER_SYNC_PROMPTS, PER_SYNC_TOKENS, probe, verify_server  # noqa: E402
+from fidelity import PER_SYNC_TOKENS, per_sync_prompts, probe, verify_server  # noqa: E402
 from sampling import Sampling  # noqa: E402
 from trainer import train_step  # noqa: E402
 from vllm_server import start_vllm_server  # noqa: E402
@@ -49,7 +50,7 @@ def main() -> None:
     template = ChatTemplate(
         AutoTokenizer.from_pretrained(args.model), getattr(make_episode(rows[0]), "tools", None)
     )
-    prompts = [template.prompt_ids(make_episode(r).messages) for r in rows[:PER_SYNC_PROMPTS]]
+    prompts = per_sync_prompts([template.prompt_ids(make_episode(r).messages) for r in rows[:4]])
     gen = torch.Generator().manual_seed(0)
     seqs = [
         {"ids": torch.randint(0, 500, (300,), generator=gen).tolist(), "mask": [0] * 150 + [1] * 150,
@@ -64,27 +65,24 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     server = start_vllm_server(args.model, log_dir="runs/bench-fidelity-logs", timeout_s=600)
     try:
-        check_s, step_s = [], []
+        request_s, rescore_s, step_s = [], [], []
         for _ in range(args.repeats):
             t0 = time.perf_counter()
-            verify_server(
-                server.url,
-                probe(server.url, args.model, prompts, Sampling(), 0, False, PER_SYNC_TOKENS),
-                model,
-                False,
-                1,
-                cpu,
-            )
-            check_s.append(time.perf_counter() - t0)
+            samples = probe(server.url, args.model, prompts, Sampling(), 0, False, PER_SYNC_TOKENS)
+            t1 = time.perf_counter()
+            verify_server(server.url, samples, model, False, 1, cpu)
+            request_s.append(t1 - t0)
+            rescore_s.append(time.perf_counter() - t1)
             t0 = time.perf_counter()
             train_step(model, None, optimizer, scheduler, seqs, step_args, 0, 1, cpu)
             step_s.append(time.perf_counter() - t0)
     finally:
         server.stop()
-    check, step = statistics.median(check_s), statistics.median(step_s)
+    request, rescore, step = map(statistics.median, (request_s, rescore_s, step_s))
     result = {
         "fidelity_check_share_of_step": {
-            "check_s": round(check, 3), "train_step_s": round(step, 3), "share": round(check / step, 4),
+            "request_s": round(request, 3), "rescore_s": round(rescore, 3), "train_step_s": round(step, 3),
+            "share": round(rescore / step, 4), "request_share": round(request / step, 4),
             "command": "python bench/bench_fidelity.py",
             "settings": {"model": args.model, "repeats": args.repeats},
         }

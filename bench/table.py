@@ -25,8 +25,10 @@ def rows(r: dict) -> list[tuple[str, str, str, str]]:
         out.append((
             "1b. efficiency = overlap speedup / bound (sync at the same concurrency)",
             f"{later('efficiency')} (overlap {later('overlap')}x; bound {later('bound')}x)",
-            "bound = (gen + train) / max(gen, train) of that sync run; the rest is the queue's start-up "
-            "and steps where generation or training alone is the bottleneck", a["command"],
+            "bound = (gen + train) / max(gen, train) of that sync run, which syncs once per (s + 1) of the "
+            "async run's syncs; each sync costs the one-core server a pause, the in-flight requests' KV "
+            "recomputed on the new weights, and the check's 4 short requests, so async generation runs "
+            "slower per group than the bound assumes; runs of it vary by ±0.1", a["command"],
         ))  # fmt: skip
         out.append((
             "1c. generation tok/s, requests in flight",
@@ -37,8 +39,8 @@ def rows(r: dict) -> list[tuple[str, str, str, str]]:
             "1d. trainer step time with rollouts / alone (inflation)",
             f"{later('inflation')} (alone {a['staleness_0']['train_s']} s)",
             "1.0: nothing of the rollout side on the trainer's core or GIL (rollouts in their own process, "
-            "every server process on the server's core); before: 2.04 / 1.93 / 1.82 with the rollout "
-            "thread in the trainer",
+            "every server process on the server's core), and the per-sync check's answer in before the "
+            "step needs it (fidelity/seconds 0.01: its re-score)",
             a["command"],
         ))  # fmt: skip
     if "async_heavy_tail" in r:
@@ -144,10 +146,11 @@ def rows(r: dict) -> list[tuple[str, str, str, str]]:
     if "fidelity_check_share_of_step" in r:
         f = r["fidelity_check_share_of_step"]
         out.append((
-            "8. per-sync fidelity check / train step (one server)",
-            f"{f['share']} ({f['check_s']} s / {f['train_step_s']} s; goal ≤ 0.05)",
-            "one seeded 32-token completion and the trainer's forward of its ~390 tokens; the step: 64 "
-            "sequences of 300 tokens", f["command"],
+            "8. per-sync fidelity check on the trainer's path / train step (one server)",
+            f"{f['share']} (re-score {f['rescore_s']} s / {f['train_step_s']} s; goal ≤ 0.05); the request, "
+            f"beside the next step: {f['request_s']} s ({f['request_share']})",
+            "four seeded 8-token completions of 64-token prompts and the trainer's four forwards of 72 "
+            "tokens; the step: 64 sequences of 300 tokens", f["command"],
         ))  # fmt: skip
     if "openmp_wait_policy" in r:
         o = r["openmp_wait_policy"]
