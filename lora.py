@@ -286,13 +286,19 @@ class AdapterSyncer(WeightSyncer):
         self.model, self.root, self.lora_rank = model, Path(root), rank
 
     def init(self) -> None:
-        """`check_server` for every server (LoRAServerError, one line, for one that cannot), then join."""
+        """`check_server` for every server (LoRAServerError, one line, for one that cannot), then join.
+        The versions an earlier run left loaded on a server are unloaded first (a killed run cannot
+        unload its own): this run's `v{n}` names would be refused as loaded already, or a resumed run
+        would meet the killed run's later versions under the names of its own."""
         shutil.rmtree(self.root / PROBE_NAME, ignore_errors=True)
         # the probe is a zero adapter of the run's shapes (no gather: the other ranks are not in this)
         zeros = {n: torch.zeros(p.shape) for n, p in self.model.named_parameters() if p.requires_grad}
         probe = write_adapter(self.model, self.root, 0, zeros).rename(self.root / PROBE_NAME)  # no version's
         for url in self.urls:
             check_server(url, probe, self.lora_rank)
+            for name in served_adapters(url):
+                if name[1:].isdigit() and name == adapter_name(int(name[1:])):
+                    _post(url, "/v1/unload_lora_adapter", {"lora_name": name}, self.http_timeout_s)
         shutil.rmtree(probe)
         self.join(self.urls)
 

@@ -43,7 +43,6 @@ import torch
 from conftest import START_TIMEOUT, push_weights
 from safetensors.torch import load_file
 
-import lora
 from checkpoint import param_checksum
 from tests.matrix_env import CHECKS
 from vllm_server import VLLMServer, free_port, start_vllm_server
@@ -93,7 +92,8 @@ class MatrixServers:
     that case's run. A model with LoRA cases gets its own servers with LoRA on (the session's have it
     off), two where a LoRA case has two servers; a LoRA case runs on them alone. A LoRA run sends no
     base weights, so before one its servers get the model's own weights back where a full fine-tuning
-    case trained into them, and lose the adapters an earlier LoRA case left loaded (its `v{n}` names)."""
+    case trained into them (the adapters an earlier LoRA case left loaded, its `v{n}` names, the trainer
+    unloads at start: lora.AdapterSyncer.init)."""
 
     def __init__(self, shared: dict[str, VLLMServer], log_dir: Path):
         self.shared, self.log_dir, self.own, self.own_model = shared, log_dir, [], None
@@ -115,8 +115,6 @@ class MatrixServers:
             own = self.own[: 2 if two else 1]
             for server in own:
                 server.wait_healthy(START_TIMEOUT)
-                for name in lora.served_adapters(server.url):
-                    lora._post(server.url, "/v1/unload_lora_adapter", {"lora_name": name}, 30)
                 if server.url in self.trained:
                     push_weights(server.url, model)
                     self.trained.discard(server.url)

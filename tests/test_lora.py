@@ -271,12 +271,13 @@ def test_the_merged_model_scores_what_the_server_samples_with_the_adapter(
 
 
 @pytest.mark.slow
-def test_a_lora_run_syncs_only_the_adapter_passes_every_check_and_resumes_after_a_kill(tmp_path):
+def test_a_lora_run_syncs_only_the_adapter_passes_every_check_and_resumes_after_a_kill(tmp_path, servers):
     """The real script with --lora-rank 8 and its own LoRA-enabled server: each step's sync loads the
     new version's adapter (no /update_weights), the per-sync check passes on every step, the checkpoint
     holds the adapter alone and its AdamW state; the trainer is killed (-9) after it, and --resume
     restores both (the resumed model's checksum is the base's with the checkpoint's adapter, not a fresh
-    one; AdamW's step count goes on from the checkpoint's) and loses or repeats no row."""
+    one; AdamW's step count goes on from the checkpoint's) and loses or repeats no row. The resumed run
+    trains on the module's LoRA server (`--vllm-url`), where a stale `v2` is loaded: unloaded at start."""
     from test_train import _cmd, _model, kill_launched_servers
 
     out = tmp_path / "run"
@@ -318,9 +319,13 @@ def test_a_lora_run_syncs_only_the_adapter_passes_every_check_and_resumes_after_
     for later in (out / "checkpoints").glob("step_*"):  # resume from step 2, not a later one
         if later != ckpt:
             shutil.rmtree(later)
+    # What a killed run leaves on a server it did not launch: its versions, under the names the resumed
+    # run gives its own (v2 here, the version it resumes at, holding v1's weights). Unloaded at start.
+    lora.load_adapter(servers[0].url, 2, out / "adapters" / "v1")
     r = subprocess.run(
-        _cmd(out, 3, *lora_flags, "--resume"), cwd=REPO, capture_output=True, text=True, timeout=900
-    )
+        _cmd(out, 3, *lora_flags, "--resume", "--vllm-url", servers[0].url),
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     resumed = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("resumed from")]
     assert resumed and "at step 2, model version 2" in resumed[0], resumed

@@ -229,7 +229,10 @@ def _checksum(ckpt: Path) -> float:
 
 
 @pytest.mark.slow
-def test_end_to_end_kill_and_resume(tmp_path):
+def test_end_to_end_kill_and_resume(tmp_path, trainer_server):
+    """The first run launches its own server (pinned to --rollout-cpus) and is killed (-9) after its
+    step-2 checkpoint; the resumed run trains on the session's server (`--vllm-url`: it pushes its
+    checkpoint's weights in at start, and a second launch would test nothing the first did not)."""
     out = tmp_path / "run"
     log1 = open(tmp_path / "run1.log", "w")
     rollout_cpu = max(os.sched_getaffinity(0))
@@ -280,7 +283,8 @@ def test_end_to_end_kill_and_resume(tmp_path):
     for later in (out / "checkpoints").glob("step_*"):
         if later != ckpt2:
             subprocess.run(["rm", "-rf", str(later)], check=True)
-    r = subprocess.run(_cmd(out, 3, "--resume"), cwd=REPO, capture_output=True, text=True, timeout=600)
+    resume = _cmd(out, 3, "--resume", "--vllm-url", trainer_server.url)
+    r = subprocess.run(resume, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     resumed = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("resumed from")]
     assert resumed and "at step 2, model version 2" in resumed[0], resumed
