@@ -320,8 +320,10 @@ def test_a_lora_run_syncs_only_the_adapter_passes_every_check_and_resumes_after_
         if later != ckpt:
             shutil.rmtree(later)
     # What a killed run leaves on a server it did not launch: its versions, under the names the resumed
-    # run gives its own (v2 here, the version it resumes at, holding v1's weights). Unloaded at start.
-    lora.load_adapter(servers[0].url, 2, out / "adapters" / "v1")
+    # run gives its own (v2 here, the version it resumes at: v1's weights, or the v2 of this module's
+    # tests above when they left theirs loaded). Unloaded at start.
+    if lora.adapter_name(2) not in lora.served_adapters(servers[0].url):
+        lora.load_adapter(servers[0].url, 2, out / "adapters" / "v1")
     r = subprocess.run(
         _cmd(out, 3, *lora_flags, "--resume", "--vllm-url", servers[0].url),
         cwd=REPO, capture_output=True, text=True, timeout=900,
