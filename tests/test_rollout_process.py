@@ -177,13 +177,16 @@ def _build_huge_group_then_huge_report(*, expected_version):
     return _HugeGroupThenHugeReport()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_a_stopped_child_delivers_its_last_group_and_report_whole():
     """stop() with a group still in the child's queue feeder (blocked on the full pipe) and a final
     report larger than the pipe: the child flushes both before it exits, so the trainer sees the final
     counters (the failed rows a resume must count as used). An exit that does not wait for its queues'
-    feeder threads cuts both, and the trainer keeps the report before it."""
+    feeder threads cuts both, and the trainer keeps the report before it. The stop's timeout is generous:
+    under make test's quick pass (nice 19 beside two slow streams) the child gets a sliver of a core to
+    pickle its 200,000 rows (killed at 5 + 5 s in one CI run), and what is asserted is that it exits
+    on its own with everything delivered, not how fast."""
     worker = _blocked_in_a_write(_build_huge_group_then_huge_report)
-    worker.stop(timeout_s=5.0)
+    worker.stop(timeout_s=60.0)
     assert not worker.alive and worker._proc.exitcode == 0
     assert worker.stats.failed_rows == list(range(200_000))
