@@ -14,7 +14,7 @@ The split: a test is `slow` when it uses a vLLM server, a warm model or a traini
 fixture named like a server (`*server*`) or listed in SLOW_FIXTURES, is marked `slow` itself, or is in
 SLOW_TESTS (measured: more than a few seconds without an engine). `make test-fast` runs the rest
 (`-m "not slow"`); `make test` runs everything in three sessions at once: the slow tests and SANDBOX_TESTS
-in two streams (SECOND_STREAM, below), the other quick tests beside them at the lowest CPU priority."""
+in two streams (SECOND_STREAM, below), the other quick tests beside them at a lower CPU priority (nice 10)."""
 
 import os
 import time

@@ -183,7 +183,7 @@ def test_a_stopped_child_delivers_its_last_group_and_report_whole():
     report larger than the pipe: the child flushes both before it exits, so the trainer sees the final
     counters (the failed rows a resume must count as used). An exit that does not wait for its queues'
     feeder threads cuts both, and the trainer keeps the report before it. The stop's timeout is generous:
-    under make test's quick pass (nice 19 beside two slow streams) the child gets a sliver of a core to
+    under make test's quick pass (niced, beside two slow streams) the child gets a sliver of a core to
     pickle its 200,000 rows (killed at 5 + 5 s in one CI run), and what is asserted is that it exits
     on its own with everything delivered, not how fast."""
     worker = _blocked_in_a_write(_build_huge_group_then_huge_report)
