@@ -298,7 +298,7 @@ class AdapterSyncer(WeightSyncer):
             check_server(url, probe, self.lora_rank)
             for name in served_adapters(url):
                 if name[1:].isdigit() and name == adapter_name(int(name[1:])):
-                    _post(url, "/v1/unload_lora_adapter", {"lora_name": name}, self.http_timeout_s)
+                    unload_adapter(url, int(name[1:]), self.http_timeout_s)
         shutil.rmtree(probe)
         self.join(self.urls)
 

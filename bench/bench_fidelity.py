@@ -31,7 +31,7 @@ from bench.results import merge_results  # noqa: E402
 from chat_format import ChatTemplate  # noqa: E402
 from envs import episode_maker  # noqa: E402
 from envs.data import load_rows  # noqa: E402
-from fidelity import PER_SYNC_TOKENS, per_sync_prompts, probe, verify_server  # noqa: E402
+from fidelity import PER_SYNC_PROMPTS, PER_SYNC_TOKENS, per_sync_prompts, probe, verify_server  # noqa: E402
 from sampling import Sampling  # noqa: E402
 from trainer import train_step  # noqa: E402
 from vllm_server import start_vllm_server  # noqa: E402
@@ -50,7 +50,8 @@ def main() -> None:
     template = ChatTemplate(
         AutoTokenizer.from_pretrained(args.model), getattr(make_episode(rows[0]), "tools", None)
     )
-    prompts = per_sync_prompts([template.prompt_ids(make_episode(r).messages) for r in rows[:4]])
+    startup = [template.prompt_ids(make_episode(r).messages) for r in rows[:PER_SYNC_PROMPTS]]
+    prompts = per_sync_prompts(startup)
     gen = torch.Generator().manual_seed(0)
     seqs = [
         {"ids": torch.randint(0, 500, (300,), generator=gen).tolist(), "mask": [0] * 150 + [1] * 150,
