@@ -45,6 +45,7 @@ kernel OOM-kills says so in its `error`. A run cancelled mid-way is killed the s
 """
 
 import asyncio
+import contextlib
 import functools
 import json
 import os
@@ -187,7 +188,12 @@ def _python_reachable_by_others() -> bool:
 # The first process of a run without a pid namespace (`_reaps`), a child subreaper (`_preexec`): runs
 # the code in a session of its own (dying with us: --pdeathsig), says its exit status on its stdin, a
 # socket, and waits there, holding the run's orphans, until `_end_run` has killed them and closes it.
-_REAPER = '"$@" </dev/null & wait $!; echo $? >&0; read _; exit 0'
+# Told to reap ($0: this Python), it waits for every child before it exits: left to init, the killed
+# orphans are reaped at init's pace (~2 s under some container inits), and fill the pids cgroup until.
+_REAPER = (
+    '"$@" </dev/null & wait $!; echo $? >&0; read r; [ "$r" = reap ] && exec "$0" -I -S -c "import os\n'
+    'try:\n while 1: os.wait()\nexcept ChildProcessError: pass"; exit 0'
+)
 
 
 def _reaps(mode: str, budget: int) -> bool:
@@ -203,7 +209,7 @@ def _command(mode: str, base: str, uid: int, server_fd: int | None = None, reape
     python = [sys.executable, "-I", "main.py"]
     if reaper:
         pdeathsig = [shutil.which("setpriv"), "--pdeathsig=KILL", "--"]
-        python = ["/bin/sh", "-c", _REAPER, "sh", shutil.which("setsid"), "-w", *pdeathsig, *python]
+        python = ["/bin/sh", "-c", _REAPER, sys.executable, shutil.which("setsid"), "-w", *pdeathsig, *python]
     ns = ["unshare", "--net", "--pid", "--fork", "--kill-child", "--mount", "--propagation", "private"]
     shell = ["/bin/sh", "-c", _ns_prologue(server_fd is None), "sh", base]
     user = []
@@ -438,12 +444,19 @@ async def _end_run(proc: asyncio.subprocess.Process, uid: int | None, reaper: so
     while set((left := confine.kill_run(proc.pid, uid)).values()) - {"Z"} and time.monotonic() < deadline:
         await asyncio.sleep(0.005)
     if reaper is not None:
+        with contextlib.suppress(OSError):
+            reaper.sendall(b"reap\n" if left else b"\n")  # the killed orphans are its children now
         reaper.close()  # its cue to exit, where it waits for it
-        _signal_kill(proc)
-        # its zombies go to init, which reaps them soon; until then they fill the pids cgroup
-        while any(os.path.exists(f"/proc/{pid}") for pid in left) and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)
+        try:
+            await asyncio.wait_for(proc.wait(), max(deadline - time.monotonic(), 0.1))
+        except TimeoutError:  # a child it cannot reap (one left alive past the deadline)
+            _signal_kill(proc)
     await proc.wait()
+    # The zombies go with their reaper: the namespace's pid 1 as it dies after `unshare`, or init once
+    # the reaper is gone. Until then they are the run's (a run that returned with one was seen) and
+    # fill its pids cgroup.
+    while any(os.path.exists(f"/proc/{pid}") for pid in left) and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
 
 
 def _signal_kill(proc: asyncio.subprocess.Process) -> None:

@@ -442,7 +442,9 @@ TEST_USER = "sandbox-test"
 # The checkout's own sources, by a path suffix no installed library shares.
 CHECKOUT_SOURCES = ("/train_async_grpo.py", "/envs/sandbox.py", "/envs/retool.py", "/envs/confine.py")
 BOMB = "import os\nwhile True: os.fork()"
-BOMB_TIMEOUT_S = 3.0
+# A bomb fills its limit (hundreds of processes) in well under a second; longer runs of it only spin
+# (2 x 20 of them in the attack tests: 3 s each cost ~80 s of the suite).
+BOMB_TIMEOUT_S = 1.0
 # The bomb's run ends this long after its timeout at most: killing up to MAX_PIDS processes took 2.0 s
 # over it on a 2-core machine at load ~100; the bound is there to catch a run that waits on its bomb.
 BOMB_KILL_S = 10.0
