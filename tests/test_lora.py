@@ -37,14 +37,13 @@ SAMPLING = Sampling(temperature=0.7)
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory, served_model):
-    """(a server with LoRA on, as the trainer launches them: 3 adapter slots; a plain one), side by side."""
+def servers(tmp_path_factory, served_model, warm_server):
+    """(a server with LoRA on, as the trainer launches them: 3 adapter slots; a plain one: the session's,
+    whose weights no test here reads)."""
     with side_by_side(
-        tmp_path_factory.mktemp("vllm-lora"),
-        dict(model=str(served_model), lora_rank=RANK, lora_slots=3),
-        dict(model=str(served_model)),
-    ) as pair:
-        yield pair
+        tmp_path_factory.mktemp("vllm-lora"), dict(model=str(served_model), lora_rank=RANK, lora_slots=3)
+    ) as (with_lora,):
+        yield with_lora, warm_server
 
 
 @pytest.fixture(scope="module")
