@@ -15,9 +15,9 @@ its rollout process (and the sandbox and answer-checking processes it starts) on
 so training owns its core and generation-side work shares the generator's.
 
 Per --max-staleness setting s (workload `equal`: retool, the same optimizer steps for every s):
-  gen_tok_s         generated tokens / step seconds, median over the steady steps (after --skip)
-  in_flight         mean vLLM requests in flight (perf/requests_in_flight)
-  train_s           median trainer step time (perf/train_s); at s = 0 nothing generates while the
+  gen_tok_s         generated tokens / seconds over the steady steps (after --skip)
+  in_flight         mean vLLM requests in flight (perf/requests_in_flight, weighted by step time)
+  train_s           mean trainer step time (perf/train_s); at s = 0 nothing generates while the
                     trainer trains (admission waits for the new version), so s = 0 gives train_s alone
   inflation         train_s(s) / train_s(0); goal ≤ 1.1
   speedup           seconds per trained group at s = 0 / at s
@@ -68,21 +68,20 @@ def run_trainer(url: str, out_dir: Path, args, staleness: int, prompts: int, ste
     return steps_m[min(args.skip, len(steps_m) - 1) :]
 
 
-def med(steps: list[dict], key: str) -> float:
-    return statistics.median(s[key] for s in steps)
-
-
 def summarize(steps: list[dict], prompts: int) -> dict:
     n_trained = sum(s["rollout/completions"] for s in steps)
     n_admitted = sum(s["rollout/admitted_completions"] for s in steps)
     trained_len = sum(s["rollout/completion_len_mean"] * s["rollout/completions"] for s in steps) / n_trained
     admitted_len = sum(s["rollout/admitted_len_mean"] * s["rollout/admitted_completions"] for s in steps)
+    # Totals over the steady steps, not medians: an async run's steps alternate between one that waits
+    # for its batch and one whose batch is there, and a median of such a series lands on either.
+    seconds = sum(s["perf/step_s"] for s in steps)
     return {
-        "s_per_group": med(steps, "perf/step_s") / prompts,
-        "gen_tok_s": med(steps, "perf/gen_tok_s"),
-        "in_flight": med(steps, "perf/requests_in_flight"),
-        "train_s": med(steps, "perf/train_s"),
-        "wait_s": med(steps, "perf/wait_s"),
+        "s_per_group": seconds / (len(steps) * prompts),
+        "gen_tok_s": sum(s["rollout/generated_tokens"] for s in steps) / seconds,
+        "in_flight": sum(s["perf/requests_in_flight"] * s["perf/step_s"] for s in steps) / seconds,
+        "train_s": sum(s["perf/train_s"] for s in steps) / len(steps),
+        "wait_s": sum(s["perf/wait_s"] for s in steps) / len(steps),
         "len_ratio": trained_len / (admitted_len / n_admitted),
         "dropped": sum(s["rollout/dropped_stale"] for s in steps),
         "token_lag_mean": sum(s["rollout/token_lag_mean"] for s in steps) / len(steps),
