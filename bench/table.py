@@ -15,11 +15,8 @@ def rows(r: dict) -> list[tuple[str, str, str, str]]:
         s = sorted(int(k.split("_")[1]) for k in a if k.startswith("staleness_"))
         per = lambda key: ", ".join(f"{k}: {a[f'staleness_{k}'][key]}" for k in s)  # noqa: E731
         later = lambda key: ", ".join(f"{k}: {a[f'staleness_{k}'][key]}" for k in s[1:])  # noqa: E731
-        gen_ratio = (
-            lambda key: ", ".join(  # noqa: E731
-                f"{k}: {a[f'staleness_{k}'].get('generating_async_over_sync', {}).get(key)}" for k in s[1:]
-            )
-        )
+        generating = {k: a[f"staleness_{k}"].get("generating_async_over_sync", {}) for k in s[1:]}
+        gen_ratio = lambda key: ", ".join(f"{k}: {g.get(key)}" for k, g in generating.items())  # noqa: E731
         out.append((
             "1a. async speedup over --max-staleness 0 (s per trained group)",
             f"{later('speedup')}x ({a['staleness_0']['s_per_group']} s/group at 0); "
