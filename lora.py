@@ -137,6 +137,15 @@ def adapter_name(version: int) -> str:
     return f"v{version}"
 
 
+def adapter_version(name: str) -> int | None:
+    """The version `adapter_name` gave `name` (an adapter on a server, its directory); None for a name
+    it never gives."""
+    digits = name[1:]
+    if digits.isascii() and digits.isdigit() and adapter_name(int(digits)) == name:
+        return int(digits)
+    return None
+
+
 def write_adapter(
     model: PeftModel, root: Path, version: int, weights: dict[str, torch.Tensor] | None = None
 ) -> Path:
@@ -174,7 +183,8 @@ def remove_dirs(root: Path, keep_from: int) -> None:
     names (unloading is not enough: the engine reloads an adapter it evicted from its LRU from this path
     while a request still uses it, vllm/lora/worker_manager.py)."""
     for d in Path(root).glob("v*"):
-        if d.name[1:].isdigit() and int(d.name[1:]) < keep_from:
+        version = adapter_version(d.name)
+        if version is not None and version < keep_from:
             shutil.rmtree(d, ignore_errors=True)
 
 
@@ -296,9 +306,9 @@ class AdapterSyncer(WeightSyncer):
         probe = write_adapter(self.model, self.root, 0, zeros).rename(self.root / PROBE_NAME)  # no version's
         for url in self.urls:
             check_server(url, probe, self.lora_rank)
-            for name in served_adapters(url):
-                if name[1:].isdigit() and name == adapter_name(int(name[1:])):
-                    unload_adapter(url, int(name[1:]), self.http_timeout_s)
+            for version in map(adapter_version, served_adapters(url)):
+                if version is not None:
+                    unload_adapter(url, version, self.http_timeout_s)
         shutil.rmtree(probe)
         self.join(self.urls)
 
