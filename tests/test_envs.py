@@ -298,7 +298,10 @@ def test_a_worker_killed_mid_answer_is_replaced(short_deadline):
     assert answers_match("\\frac{1}{2}", "0.5") and not answers_match("3", "0.5")
 
 
-def test_scoring_from_two_threads_at_once(short_deadline):
+def test_scoring_from_two_threads_at_once():
+    # The default deadline, not short_deadline's 1 s: in make test's niced quick pass beside two streams a
+    # fresh worker's first honest answer (~16 ms of CPU) once took over 1 s and scored False. What this
+    # asserts is the verdicts of two threads at once, not how soon the power tower is cut off.
     cases = [("0.5", "\\frac{1}{2}", True), ("2", "\\frac{1}{2}", False), ("9^{9^{9^{9}}}", "1", False)]
     results: dict[int, list] = {}
 
