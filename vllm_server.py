@@ -161,12 +161,16 @@ class VLLMServer:
         self._launch()
 
     def _launch(self) -> None:
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
-            )
+        self.proc = self._start_process()
         self._lifeline = _start_watchdog(self.proc.pid)
         _live_servers.append(self)
+
+    def _start_process(self) -> subprocess.Popen:
+        """The server's process: a session of its own (its pgid is its pid), writing to the log."""
+        with open(self.log_path, "ab") as log:
+            return subprocess.Popen(
+                self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
 
     def restart(self) -> None:
         """Kill what is left of this server and launch it again, same port and arguments (so the same
@@ -268,6 +272,7 @@ def start_vllm_server(
     log_dir: str | Path | None = None,
     wait: bool = True,
     timeout_s: float = 300.0,
+    server_class: type[VLLMServer] = VLLMServer,
 ) -> VLLMServer:
     """Launch one server and (by default) block until /health answers or `timeout_s` passes.
 
@@ -283,6 +288,7 @@ def start_vllm_server(
     core are busy Python processes too), and on CPU its OMP threads bind to them.
     `lora_rank` > 0: LoRA on, adapters up to that rank loaded at run time (lora.py), `lora_slots` of them
     in one batch (every version a request in flight may name: --max-staleness + 2).
+    `server_class` runs the command (the tests' own servers: forked from a process that imported vLLM).
     """
     port = port or free_port()
     on_gpu = torch.cuda.is_available()
@@ -350,7 +356,7 @@ def start_vllm_server(
     if cpus is not None:
         cmd = ["taskset", "-c", cpus, *cmd]  # taskset execs the server: same pid, same process group
     log_path.unlink(missing_ok=True)
-    server = VLLMServer(cmd, env, f"http://{host}:{port}", log_path)
+    server = server_class(cmd, env, f"http://{host}:{port}", log_path)
     if wait:
         server.wait_healthy(timeout_s)
     return server

@@ -40,12 +40,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import START_TIMEOUT, push_weights
+from conftest import START_TIMEOUT, push_weights, start_server
 from safetensors.torch import load_file
 
 from checkpoint import param_checksum
 from tests.matrix_env import CHECKS
-from vllm_server import VLLMServer, free_port, start_vllm_server
+from vllm_server import VLLMServer, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 OPTIONS = "TMZSKYVFQRL"
@@ -106,7 +106,7 @@ class MatrixServers:
             lora_on = any("L" in o for o in options)
             n = 2 if any("L" in o and "V" in o for o in options) else 1
             self.own = [
-                start_vllm_server(str(model), log_dir=self.log_dir, seed=1 + k, wait=False,
+                start_server(str(model), log_dir=self.log_dir, seed=1 + k, wait=False,
                                   lora_rank=LORA_RANK if lora_on else 0, lora_slots=LORA_SLOTS)
                 for k in range(n)
             ]  # fmt: skip

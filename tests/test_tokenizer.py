@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import tiktoken
 import torch
+from conftest import start_server
 from test_vllm_server import post
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -20,7 +21,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 from chat_format import ChatTemplate
 from envs.retool import make_episode
 from sampling import Sampling
-from vllm_server import group_pids, start_vllm_server
+from vllm_server import group_pids
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = REPO / "models" / "tiny-qwen"
@@ -200,7 +201,7 @@ def test_exact_markers_in_tool_output_are_the_characters_they_are(tok, reference
 # ---------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def qwen_server(tmp_path_factory):
-    server = start_vllm_server(
+    server = start_server(
         str(MODEL),
         log_dir=tmp_path_factory.mktemp("vllm-logs"),
         timeout_s=float(os.environ.get("VLLM_START_TIMEOUT", 600)),
