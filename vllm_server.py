@@ -161,16 +161,12 @@ class VLLMServer:
         self._launch()
 
     def _launch(self) -> None:
-        self.proc = self._start_process()
-        self._lifeline = _start_watchdog(self.proc.pid)
-        _live_servers.append(self)
-
-    def _start_process(self) -> subprocess.Popen:
-        """The server's process: a session of its own (its pgid is its pid), writing to the log."""
         with open(self.log_path, "ab") as log:
-            return subprocess.Popen(
+            self.proc = subprocess.Popen(
                 self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
             )
+        self._lifeline = _start_watchdog(self.proc.pid)
+        _live_servers.append(self)
 
     def restart(self) -> None:
         """Kill what is left of this server and launch it again, same port and arguments (so the same

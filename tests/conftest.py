@@ -24,10 +24,8 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -173,30 +171,29 @@ def served_model() -> Path:
 # The session's vLLM launcher (tests/vllm_zygote.py): one interpreter that imported vLLM, forking every
 # server the tests start themselves (`start_server`), ~3.5 s of CPU a start instead of ~11.
 _launcher: dict = {}
-_launcher_lock = threading.Lock()
 
 
 def _launcher_socket() -> tuple[str, subprocess.Popen]:
-    with _launcher_lock:
-        if not _launcher:
-            path = os.path.join(tempfile.mkdtemp(prefix="vllm-zygote-"), "socket")
-            pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-            with open(path + ".log", "wb") as log:  # EOF on its stdin (this session gone) ends it
-                proc = subprocess.Popen(
-                    [sys.executable, str(REPO / "tests" / "vllm_zygote.py"), path], cwd=REPO,
-                    stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
-                    env=dict(os.environ, PYTHONPATH=pythonpath),
-                )  # fmt: skip
-            _launcher.update(path=path, proc=proc)
-        return _launcher["path"], _launcher["proc"]
+    if not _launcher:
+        path = os.path.join(tempfile.mkdtemp(prefix="vllm-zygote-"), "socket")
+        pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        with open(path + ".log", "wb") as log:  # EOF on its stdin (this session gone) ends it
+            proc = subprocess.Popen(
+                [sys.executable, str(REPO / "tests" / "vllm_zygote.py"), path], cwd=REPO,
+                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                env=dict(os.environ, PYTHONPATH=pythonpath),
+            )  # fmt: skip
+        _launcher.update(path=path, proc=proc)
+    return _launcher["path"], _launcher["proc"]
 
 
 class ForkedProcess:
-    """A server the launcher forked, with what VLLMServer uses of a Popen: pid, poll(), wait(timeout) and
-    returncode (its exit status comes back on the launcher's connection)."""
+    """A server the launcher forks, with what VLLMServer uses of a Popen: pid, poll(), wait(timeout) and
+    returncode. The launcher answers on the connection: the pid once it has imported vLLM and forked
+    (seconds after the request; `pid` waits for it, `poll` does not), then the exit status."""
 
     def __init__(self, request: dict):
-        path, launcher = _launcher_socket()
+        path, self._launcher = _launcher_socket()
         deadline = time.monotonic() + START_TIMEOUT
         while True:  # the socket appears, and listens, ~0.1 s after the launcher starts
             self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -205,50 +202,67 @@ class ForkedProcess:
                 break
             except (FileNotFoundError, ConnectionRefusedError):
                 self._conn.close()
-            if launcher.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the vLLM launcher tests/vllm_zygote.py did not start: {path}.log")
+            if self._launcher.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the vLLM launcher tests/vllm_zygote.py is not running: see {path}.log")
             time.sleep(0.05)
         self._conn.sendall((json.dumps(request) + "\n").encode())
-        self._buf, self.returncode = b"", None
-        pid = self._line()  # once the launcher has imported vLLM (seconds)
-        if not pid:
-            raise RuntimeError(f"the vLLM launcher tests/vllm_zygote.py exited: {path}.log")
-        self.pid = int(pid)
+        self._buf, self._pid, self.returncode = b"", None, None
 
-    def _line(self) -> str:
-        while b"\n" not in self._buf:
-            chunk = self._conn.recv(64)
-            if not chunk:
-                return ""
-            self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
-        return line.decode()
+    def _take(self, timeout: float | None) -> None:
+        """Read what the launcher said, waiting up to `timeout` s for it (None: as long as it takes)."""
+        if not select.select([self._conn], [], [], timeout)[0]:
+            return
+        chunk = self._conn.recv(64)
+        if not chunk:  # the launcher is gone
+            if self._pid is None:
+                log = _launcher["path"] + ".log"
+                raise RuntimeError(
+                    f"the vLLM launcher tests/vllm_zygote.py exited before the fork: see {log}"
+                )
+            self.returncode = -9
+        self._buf += chunk
+        while b"\n" in self._buf:
+            line, self._buf = self._buf.split(b"\n", 1)
+            if self._pid is None:
+                self._pid = int(line)
+            else:
+                self.returncode = int(line)
+        if self.returncode is not None:
+            self._conn.close()
 
-    def _ended(self, timeout: float | None) -> bool:
-        return b"\n" in self._buf or bool(select.select([self._conn], [], [], timeout)[0])
+    @property
+    def pid(self) -> int:
+        while self._pid is None:
+            self._take(None)
+        return self._pid
 
     def poll(self) -> int | None:
-        if self.returncode is None and self._ended(0):
-            status = self._line()
-            self.returncode = int(status) if status else -9  # no status: the launcher died
-            self._conn.close()
+        if self.returncode is None:
+            self._take(0)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None and not self._ended(timeout):
-            raise subprocess.TimeoutExpired("vllm server", timeout)
-        return self.poll()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired("vllm server", timeout)
+            self._take(left)
+        return self.returncode
 
 
 class ForkedServer(VLLMServer):
-    """A one-rank CPU server forked by the session's launcher; any other command runs as VLLMServer's."""
+    """A one-rank CPU server forked by the session's launcher (any other command runs as VLLMServer's).
+    The launch returns at once: the launcher forks once it has imported vLLM. No watchdog: the launcher
+    kills its servers when this session ends, however it ends (EOF on its stdin)."""
 
-    def _start_process(self):
+    def _launch(self) -> None:
         if "-c" not in self.cmd:  # not FORKED_ENGINE_CORE: a multi-rank or GPU server
-            return super()._start_process()
-        return ForkedProcess(
+            return super()._launch()
+        self.proc = ForkedProcess(
             {"cmd": self.cmd, "env": self.env, "cwd": os.getcwd(), "log": str(self.log_path)}
         )
+        self._lifeline = None
 
 
 def start_server(model: str, **kwargs) -> VLLMServer:
@@ -258,30 +272,26 @@ def start_server(model: str, **kwargs) -> VLLMServer:
 
 # The session's servers, started at collection when a test will use them (fixture name → model).
 SESSION_SERVERS = {"warm_server": "tiny-warm", "warm2_server": "tiny-warm2"}
-_background: dict[str, Future] = {}
+_background: dict[str, VLLMServer] = {}
 _weights = {"changed": False}  # True once a test was handed the warm server as `trainer_server`
 
 
 def pytest_collection_finish(session) -> None:
-    """Start the launcher and the session's servers now, without waiting (a thread waits for the
-    launcher's pid): their start-ups overlap the tests before them."""
+    """Start the launcher and the session's servers now, without waiting: their start-ups overlap the
+    tests before them."""
     names = {n for item in session.items for n in item.fixturenames}
     if session.config.option.collectonly or not any("server" in n for n in names):
         return
-    _launcher_socket()
-    pool = ThreadPoolExecutor(len(SESSION_SERVERS))
     for fixture, model in SESSION_SERVERS.items():  # `names` holds each test's fixtures and theirs
         path = REPO / "models" / model
         if fixture in names and path.exists():  # logs: vllm-logs-* in /tmp
-            _background[fixture] = pool.submit(start_server, str(path), wait=False)
-    pool.shutdown(wait=False)
+            _background[fixture] = start_server(str(path), wait=False)
 
 
 def _session_server(fixture: str, tmp_path_factory):
-    future = _background.pop(fixture, None)
-    server = future.result() if future else start_server(
+    server = _background.pop(fixture, None) or start_server(
         str(model_dir(SESSION_SERVERS[fixture])), log_dir=tmp_path_factory.mktemp("vllm"), wait=False
-    )  # fmt: skip
+    )
     server.wait_healthy(START_TIMEOUT)
     yield server
     server.stop()
@@ -366,8 +376,8 @@ def trainer_server(warm_server):
 
 def pytest_sessionfinish(session, exitstatus) -> None:
     # Started, never used (no test that wanted it ran: -x, a failed model).
-    for future in _background.values():
-        future.result().stop()
+    for server in _background.values():
+        server.stop()
     if _launcher:
         _launcher["proc"].stdin.close()  # the launcher ends
         _launcher["proc"].wait(timeout=30)

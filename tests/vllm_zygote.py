@@ -4,7 +4,8 @@ A server's start-up on 2 cores is ~11 s of CPU, ~8 of them importing vLLM; forke
 has imported it, a server is healthy ~3.5 s after the fork. The suite starts a dozen servers of its own
 (tests/conftest.py `start_server`), each a ~8 s import saved on a machine whose CPU is what bounds it.
 
-    python tests/vllm_zygote.py SOCKET      # listens on the unix socket SOCKET; exits at EOF on stdin
+    python tests/vllm_zygote.py SOCKET   # listens on the unix socket SOCKET; at EOF on its stdin it
+                                         # kills its servers and exits (the session's watchdog)
 
 Protocol, one connection per server: the client sends one JSON line {cmd, env, cwd, log}, `cmd` being
 what `vllm_server.start_vllm_server` built for a one-rank CPU server (`[taskset -c CPUS] python -c
@@ -19,6 +20,7 @@ import multiprocessing
 import os
 import runpy
 import selectors
+import signal
 import socket
 import sys
 import traceback
@@ -90,7 +92,12 @@ def main() -> None:
     sel.register(sys.stdin, selectors.EVENT_READ)
     while True:
         for key, _ in sel.select(timeout=0.2):
-            if key.fileobj is sys.stdin:  # the session is gone: so is its launcher
+            if key.fileobj is sys.stdin:  # the session is gone: so are its launcher and servers
+                for pid in children:
+                    try:
+                        os.killpg(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
                 return
             conn, _ = listener.accept()
             with conn.makefile("r") as f:
