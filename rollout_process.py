@@ -2,7 +2,7 @@
 
 In one process, the rollout thread (asyncio, aiohttp, JSON, the tool loop, sandbox bookkeeping,
 scoring) held the GIL about a third of the time and the trainer's steps took twice as long with
-rollouts running beside them. Here the same `rollout.AsyncRolloutWorker` runs in a spawned child,
+rollouts running beside them. Here the same `rollout.AsyncRolloutWorker` runs in a forked child,
 pinned to --rollout-cpus with everything it starts; the trainer sees the interface it had:
 
 - `queue.get(timeout)` gives the next scored `RolloutGroup` (queue.Empty on timeout);
@@ -10,9 +10,11 @@ pinned to --rollout-cpus with everything it starts; the trainer sees the interfa
 - `stats`, `client.stats`, `client.down`, `exhausted` are the child's latest report (≤ 0.2 s old);
 - `alive` is the child process; `stop()` returns within its timeout whatever the child does.
 
-The child starts when this object is made, before the trainer loads its model: a spawned interpreter
-imports the trainer's modules (~3 s on 2 cores), and that overlaps the model load and the servers'
-start-up instead of delaying the first batch. `build(...)` then hands it a picklable
+The child is forked when this object is made, which the trainer does first thing, before it has a
+thread, a CUDA context, a server or a model (later, fork would copy the locks of the trainer's threads
+and its CUDA state; the one other thread then, numpy's OpenBLAS pool, is rebuilt in a forked child by
+OpenBLAS itself). Forked, it has the trainer's modules imported; a spawned interpreter spent ~4.5 s of
+CPU importing torch and transformers again. `build(...)` then hands it a picklable
 `build(expected_version) -> AsyncRolloutWorker` (the trainer's `build_worker` below, which loads the
 tokenizer and the env the same way the trainer does); it waits for `start()` before it admits a group,
 so the build overlaps the trainer's start-up eval. It dies with the trainer, however the trainer dies
@@ -70,7 +72,7 @@ class ClientView:
 
 class RolloutProcess:
     def __init__(self, stop_timeout_s: float = 10.0):
-        ctx = mp.get_context("spawn")  # fork would copy the trainer's threads, CUDA state and locks
+        ctx = mp.get_context("fork")  # made before the trainer has threads or CUDA: see the docstring
         self._client = ClientView(lambda: 0)
         self._stats = WorkerStats()
         self._exhausted, self._groups_sent, self._groups_received = False, 0, 0
@@ -179,7 +181,7 @@ class RolloutProcess:
 
 
 def split_cpus(rollout_cpus: str | None) -> None:
-    """--rollout-cpus: the rollout process (spawned after this) and the tool/reward processes it starts
+    """--rollout-cpus: the rollout process (forked after this) and the tool/reward processes it starts
     go to these CPUs (envs.confine.pin_to_rollout_cpus reads ROLLOUT_CPUS_ENV), the trainer and its
     threads to the rest, so rollouts do not slow the trainer's steps. OSError where this process may not
     run there at all (a container's cpuset)."""

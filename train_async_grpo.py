@@ -547,6 +547,9 @@ def main(argv: list[str] | None = None) -> None:
         split_cpus(args.rollout_cpus)
     except OSError as e:
         parser.error(f"--rollout-cpus {args.rollout_cpus}: cannot run there ({e})")
+    # Rank 0's rollout process, forked now, before any thread, CUDA context, server or model of ours
+    # exists; it gets its worker once the servers are up (start_rollouts).
+    worker = RolloutProcess() if int(os.environ.get("RANK", 0)) == 0 else None
     args.compute_dtype = args.compute_dtype or ("bf16" if torch.cuda.is_available() else "fp32")
     try:  # checked before anything starts: launched servers take GPUs 0..K−1, trainer rank r GPU K + r
         server_gpus, rank, world_size, device = place_ranks(
@@ -557,9 +560,6 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(e))
     # sandbox_mode: the sandbox/ keys of the first step's metrics line
     make_episode, sandbox_mode = episode_maker(args.env, args.sandbox_workers, args.unsafe_sandbox, rank)
-    # Rank 0's rollout process starts now: its interpreter's imports overlap the model load and the
-    # servers' start-up; it gets its worker once the servers are up (start_rollouts).
-    worker = RolloutProcess() if rank == 0 else None
     tokenizer, template = load_tokenizer(args, ckpt, make_episode(rows[0]))
     model, ref_model, ckpt_checksum = load_models(args, ckpt, device, world_size)
     optimizer, scheduler = make_optimizer(model, args)
