@@ -87,7 +87,7 @@ def test_the_readme_env_trains_two_real_steps(env_dir, trainer_server, served_mo
         "--keep-zero-variance", "--log-completions-every", "1", "--save-every", "1000",
         "--batch-timeout", "300",
     ]  # fmt: skip
-    # The rollout process is spawned and imports the env by its module path: it finds it on PYTHONPATH.
+    # The env is imported by its module path (ENVS["units"] = "units"): it is found on PYTHONPATH.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(env_dir), str(REPO)]))
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=560)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
