@@ -23,6 +23,7 @@ same way).
 """
 
 import argparse
+import atexit
 import copy
 import importlib
 import logging
@@ -91,6 +92,11 @@ class RolloutProcess:
             daemon=True,
         )
         self._proc.start()
+        # A trainer that exits before stop() (a start-up that fails: a refused sandbox, a model that
+        # does not load) would wait forever in multiprocessing's exit for a child that ignores the
+        # SIGTERM it sends: killed first. This runs before that wait (atexit runs last-in first-out).
+        self._trainer_pid = os.getpid()
+        atexit.register(self._kill_if_alive)
         # Only the child writes groups and reports. With our copies of the write ends closed, a child
         # that dies halfway through a message (SIGKILL, out of memory) leaves the end of the pipe behind
         # it, which our read raises (EOFError), instead of a read waiting forever for the rest.
@@ -165,6 +171,11 @@ class RolloutProcess:
             self._proc.kill()
         self._proc.join(5.0)
         self._read_reports()
+
+    def _kill_if_alive(self) -> None:
+        if os.getpid() == self._trainer_pid and self._proc.is_alive():  # not in a forked child of ours
+            self._proc.kill()
+            self._proc.join(5.0)
 
     def _read_reports(self) -> None:
         while True:
