@@ -38,6 +38,7 @@ import glob
 import os
 import shutil
 import signal
+import sys
 import tempfile
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -207,6 +208,55 @@ def confine(readable: list[str], writable: list[str], no_fork: bool = False) -> 
     if f is None:
         raise OSError(errno.ENOSYS, "no seccomp: libseccomp or pyseccomp missing")
     f.load()
+
+
+# WHAT THE CODE MAY READ: the system paths and the Python install, bound read-only into the namespace
+# modes' minimal root (envs/sandbox.py) and Landlock's read rules in mode "seccomp".
+SYSTEM_PATHS = ["/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32", "/etc/ld.so.cache"]
+
+
+def blocked_ancestors(path: str) -> dict[str, set[str]]:
+    """Ancestors of `path` that others cannot traverse, each with the child on the way to `path`."""
+    blocked: dict[str, set[str]] = {}
+    parts = os.path.realpath(path).split(os.sep)[1:]
+    for i in range(len(parts)):  # every directory on the way, the path's own parent included
+        parent = os.sep + os.sep.join(parts[:i])
+        if not os.stat(parent).st_mode & 0o001:
+            blocked.setdefault(parent, set()).add(parts[i])
+    return blocked
+
+
+def _resolve(path: str, links: dict[str, str]) -> str:
+    """The real path of `path`, recording every symlink met on the way (link -> target) in `links`."""
+    todo, cur = [p for p in path.split("/") if p], "/"
+    for _ in range(1000):  # symlink loops end here
+        if not todo:
+            return cur
+        nxt = os.path.normpath(os.path.join(cur, todo.pop(0)))
+        if os.path.islink(nxt):
+            target = os.readlink(nxt)
+            links[nxt] = target
+            todo = [p for p in target.split("/") if p] + todo
+            cur = "/" if target.startswith("/") else cur
+        else:
+            cur = nxt
+    raise OSError(f"too many symlinks in {path}")
+
+
+@functools.cache
+def visible_paths() -> tuple[list[str], dict[str, str]]:
+    """(real directories and files the code may read, symlinks leading to them): the system paths and
+    the Python install (interpreter, its prefix, the venv)."""
+    links: dict[str, str] = {}
+    wanted = SYSTEM_PATHS + [sys.executable, sys.prefix, sys.base_prefix]
+    real = sorted({_resolve(p, links) for p in wanted if os.path.exists(p)})
+    binds = [p for p in real if not any(p.startswith(q.rstrip("/") + "/") for q in real if q != p)]
+    inside = [q.rstrip("/") + "/" for q in binds]
+    return binds, {k: v for k, v in links.items() if not any(k.startswith(q) for q in inside)}
+
+
+def python_reachable_by_others() -> bool:
+    return not any(blocked_ancestors(p) for p in (sys.executable, sys.prefix, sys.base_prefix))
 
 
 # LIMITS: per process (rlimits, inherited by the whole tree) and, for all runs together, one memory

@@ -71,7 +71,6 @@ MAX_PROCESSES = 32  # RLIMIT_NPROC for the sandbox uid (threads count too)
 UID_RANGE = (1 << 30, (1 << 31) - 2)  # sandbox uids are drawn from here; no real account should be in it
 RUN_DIR_INSIDE = "/sandbox"  # where the run dir appears in the namespace modes' minimal root
 # What the code may see besides the Python install: binaries, shared libraries, the loader's cache.
-SYSTEM_PATHS = ["/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32", "/etc/ld.so.cache"]
 DEVICES = ["null", "zero", "random", "urandom"]
 
 _MARKER = "\n\n... [{n} bytes of output omitted] ...\n\n"
@@ -90,50 +89,10 @@ class SandboxResult:
 # SETUP: what the code may see, and which isolation this machine allows (probed once per process).
 
 
-def _blocked_ancestors(path: str) -> dict[str, set[str]]:
-    """Ancestors of `path` that others cannot traverse, each with the child on the way to `path`."""
-    blocked: dict[str, set[str]] = {}
-    parts = os.path.realpath(path).split(os.sep)[1:]
-    for i in range(len(parts)):  # every directory on the way, the path's own parent included
-        parent = os.sep + os.sep.join(parts[:i])
-        if not os.stat(parent).st_mode & 0o001:
-            blocked.setdefault(parent, set()).add(parts[i])
-    return blocked
-
-
-def _resolve(path: str, links: dict[str, str]) -> str:
-    """The real path of `path`, recording every symlink met on the way (link -> target) in `links`."""
-    todo, cur = [p for p in path.split("/") if p], "/"
-    for _ in range(1000):  # symlink loops end here
-        if not todo:
-            return cur
-        nxt = os.path.normpath(os.path.join(cur, todo.pop(0)))
-        if os.path.islink(nxt):
-            target = os.readlink(nxt)
-            links[nxt] = target
-            todo = [p for p in target.split("/") if p] + todo
-            cur = "/" if target.startswith("/") else cur
-        else:
-            cur = nxt
-    raise OSError(f"too many symlinks in {path}")
-
-
-@functools.cache
-def visible_paths() -> tuple[list[str], dict[str, str]]:
-    """(real directories and files the code may read, symlinks leading to them): the system paths and
-    the Python install (interpreter, its prefix, the venv)."""
-    links: dict[str, str] = {}
-    wanted = SYSTEM_PATHS + [sys.executable, sys.prefix, sys.base_prefix]
-    real = sorted({_resolve(p, links) for p in wanted if os.path.exists(p)})
-    binds = [p for p in real if not any(p.startswith(q.rstrip("/") + "/") for q in real if q != p)]
-    inside = [q.rstrip("/") + "/" for q in binds]
-    return binds, {k: v for k, v in links.items() if not any(k.startswith(q) for q in inside)}
-
-
 def _hidden_by_fresh_tmpfs() -> dict:
     """What of the minimal root lies below /tmp or /dev/shm (a Python install in a temp dir, as a CI
     clone has it), which a warm call's fresh tmpfs there would hide: the fork server puts it back."""
-    binds, links = visible_paths()
+    binds, links = confine.visible_paths()
 
     def below(p: str) -> bool:
         return p.startswith(("/tmp/", "/dev/shm/"))
@@ -147,7 +106,7 @@ def _ns_prologue(bind_run: bool = True) -> str:
     /sandbox if `bind_run`; root/ = an empty mount point; unused once the command runs); the rest = the
     command that drops privileges and runs python, as pid 1's child (pid 1 stays a root shell the code
     cannot kill; when it exits the namespace dies)."""
-    binds, links = visible_paths()
+    binds, links = confine.visible_paths()
     q = shlex.quote
     files = [p for p in binds if not os.path.isdir(p)]
     dirs = [p for p in binds if os.path.isdir(p)] + [os.path.dirname(k) for k in links]
@@ -179,10 +138,6 @@ def _ns_prologue(bind_run: bool = True) -> str:
         '"$@"; exit $?',
     ]
     return "\n".join(lines)
-
-
-def _python_reachable_by_others() -> bool:
-    return not any(_blocked_ancestors(p) for p in (sys.executable, sys.prefix, sys.base_prefix))
 
 
 # The first process of a run without a pid namespace (`_reaps`), a child subreaper (`_preexec`): runs
@@ -228,7 +183,7 @@ def _command(mode: str, base: str, uid: int, server_fd: int | None = None, reape
             python.append(json.dumps(_hidden_by_fresh_tmpfs()))
         return [*user, *ns, "--", *shell, *drop, *python]
     if mode == "seccomp" and os.geteuid() == 0:
-        if _python_reachable_by_others():
+        if confine.python_reachable_by_others():
             # the uid change clears the parent-death signal _preexec set: set again
             drop = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--pdeathsig=KILL"]
             return [*drop, "--", *python]
@@ -244,7 +199,7 @@ def _forkserver_source() -> str:
 def _draws_uid(mode: str) -> bool:
     """Does the code run as its own drawn uid (so RLIMIT_NPROC and the kill-by-uid work)?"""
     if mode == "seccomp":
-        return os.geteuid() == 0 and _python_reachable_by_others()
+        return os.geteuid() == 0 and confine.python_reachable_by_others()
     return mode == "root-ns" or _maps_ids(mode)
 
 
@@ -298,7 +253,7 @@ def _preexec(
     for name, limits in confine.rlimits(timeout_s, nproc).items():
         resource.setrlimit(getattr(resource, name), limits)
     if mode == "seccomp":
-        readable = visible_paths()[0] + ["/sys/devices/system/cpu"]
+        readable = confine.visible_paths()[0] + ["/sys/devices/system/cpu"]
         confine.confine(readable, [run_dir] + [f"/dev/{d}" for d in DEVICES], no_fork)
 
 

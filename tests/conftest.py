@@ -1,10 +1,13 @@
 """Shared fixtures and the fast/slow split.
 
 Servers: one real vLLM server on the warm tiny model (`make tiny-model`; it calls tools, so multi-turn
-tests have real tool calls) for the whole session, not one per module (a start-up costs ~20 s on 2
-cores), and one on tiny-warm2 (Qwen3 thinking: `warm2_server`). Each starts in the background when
-collection ends, so its start-up overlaps the tests before its first use. Tests take the warm one as one
-of two fixtures (a module may take both when its `vllm_server` tests come first):
+tests have real tool calls) for the whole session, not one per module, and one on tiny-warm2 (Qwen3
+thinking: `warm2_server`). Each starts in the background when collection ends, so its start-up overlaps
+the tests before its first use. Every server the tests start themselves (`start_server`: these two, the
+modules' own) is forked by the session's launcher, tests/vllm_zygote.py, which imported vLLM once: ~3.5 s
+of CPU a start, not ~11 (the servers a trainer launches are its own, started as the trainer starts them).
+Tests take the warm one as one of two fixtures (a module may take both when its `vllm_server` tests
+come first):
 - `vllm_server`: with the model's own weights (tests compare its logprobs with the checkpoint on disk);
 - `trainer_server`: for training runs, which push their weights into it, and faults that kill it.
 Tests that need another model or server configuration (other flags, a killed parent, a network

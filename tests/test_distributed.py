@@ -242,7 +242,8 @@ def test_other_ranks_wait_for_rank_0_longer_than_the_collective_timeout(tmp_path
     message, gets it. A rank 0 that dies still frees rank 1 at once (an error, not a hang)."""
     import multiprocessing
 
-    ctx, port = multiprocessing.get_context("spawn"), vllm_server.free_port()
+    # Forked: a spawned rank imports this module (torch, transformers) again, ~5 s of CPU each.
+    ctx, port = multiprocessing.get_context("fork"), vllm_server.free_port()
     procs = [ctx.Process(target=_message_rank, args=(r, port, tmp_path)) for r in (0, 1)]
     for p in procs:
         p.start()

@@ -64,13 +64,15 @@ def test_numpy_and_sympy_import():
 def test_infinite_loop_is_killed():
     r = run("while True: pass", timeout_s=1)
     assert r.timed_out and "timed out after 1 s" in r.error
-    assert r.duration_s < 3, f"took {r.duration_s:.1f} s to kill"
+    assert r.duration_s < 10, f"took {r.duration_s:.1f} s to kill"  # as below: the deadline, not never
 
 
 def test_sleep_past_timeout_is_killed():
     r = run("import time; print('start', flush=True); time.sleep(100)", timeout_s=1)
     assert r.timed_out and r.output == "start\n"
-    assert r.duration_s < 3
+    # Killed at its deadline, not after the sleep's 100 s: the kill and the wait for the run's processes
+    # to leave /proc took 2 s past the deadline once, at the start of a `make test` beside two streams.
+    assert r.duration_s < 10
 
 
 def test_fork_bomb_is_contained():
@@ -651,8 +653,8 @@ def attack_suite(port: int) -> dict:
     import signal
     import subprocess
 
-    from envs.confine import landlock_description, pids_cgroup
-    from envs.sandbox import MEMORY_BUDGET_BYTES, isolation_gaps, visible_paths
+    from envs.confine import landlock_description, pids_cgroup, visible_paths
+    from envs.sandbox import MEMORY_BUDGET_BYTES, isolation_gaps
 
     for signum in (signal.SIGUSR1, signal.SIGIO, signal.SIGURG):
         signal.signal(signum, _count_signal)
@@ -760,11 +762,11 @@ def expose_python_shell(repo: str) -> str:
     """Shell (run as root in a private mount namespace) making the Python install and the checkout's
     test and envs code reachable by other uids: here the install lies below /root (mode 700), where a
     container would have it in /usr/local, and a checkout may lie in a private temp dir (a CI clone)."""
-    from envs.sandbox import _blocked_ancestors
+    from envs.confine import blocked_ancestors
 
     blocked: dict[str, set[str]] = {}
     for p in (sys.executable, sys.prefix, sys.base_prefix, f"{repo}/tests", f"{repo}/envs"):
-        for parent, children in _blocked_ancestors(p).items():
+        for parent, children in blocked_ancestors(p).items():
             blocked.setdefault(parent, set()).update(children)
     lines = ["set -e"]
     for parent in sorted(blocked, key=len):  # an outer directory first: the inner ones move with it

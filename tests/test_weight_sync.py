@@ -686,7 +686,8 @@ def test_a_broadcast_that_hangs_mid_sync_leaves_every_fsdp_rank_in_step(tmp_path
 
     from vllm_server import free_port
 
-    ctx, port = multiprocessing.get_context("spawn"), free_port()
+    # Forked: a spawned rank imports this module (torch, transformers) again, ~5 s of CPU each.
+    ctx, port = multiprocessing.get_context("fork"), free_port()
     procs = [ctx.Process(target=_hang_rank, args=(r, port, tmp_path)) for r in (0, 1)]
     for p in procs:
         p.start()
