@@ -326,9 +326,8 @@ def wait_for(cond, proc, log: Path, timeout_s: float, what: str) -> None:
 
 @contextmanager
 def side_by_side(log_dir: Path, *specs: dict) -> Iterator[list[VLLMServer]]:
-    """Servers of a module's own (each spec: `start_vllm_server`'s arguments), started at once: a
-    start-up is mostly one core importing vLLM, so two side by side on 2 cores take about as long as one.
-    Waits for all; stops all at the end."""
+    """Servers of a module's own (each spec: `start_vllm_server`'s arguments), forked by the session's
+    launcher at once. Waits for all; stops all at the end."""
     servers = [start_server(log_dir=log_dir, wait=False, **spec) for spec in specs]
     try:
         for server in servers:

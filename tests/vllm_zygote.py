@@ -1,8 +1,8 @@
 """The test sessions' vLLM launcher: one interpreter that imports vLLM once and forks a server per request.
 
-A server's start-up on 2 cores is ~11 s of CPU, ~8 of them importing vLLM; forked from this process, which
-has imported it, a server is healthy ~3.5 s after the fork. The suite starts a dozen servers of its own
-(tests/conftest.py `start_server`), each a ~8 s import saved on a machine whose CPU is what bounds it.
+A server's start-up on 2 cores is ~11 s of CPU, ~10 of them importing vLLM; forked from this process,
+which has imported it, a server is healthy ~3.5 s after the fork. The suite starts a dozen servers of its
+own (tests/conftest.py `start_server`), each an import saved on a machine whose CPU is what bounds it.
 
     python tests/vllm_zygote.py SOCKET   # listens on the unix socket SOCKET; at EOF on its stdin it
                                          # kills its servers and exits (the session's watchdog)
