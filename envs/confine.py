@@ -212,6 +212,7 @@ def confine(readable: list[str], writable: list[str], no_fork: bool = False) -> 
 
 # WHAT THE CODE MAY READ: the system paths and the Python install, bound read-only into the namespace
 # modes' minimal root (envs/sandbox.py) and Landlock's read rules in mode "seccomp".
+# Besides the Python install: binaries, shared libraries, the loader's cache.
 SYSTEM_PATHS = ["/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32", "/etc/ld.so.cache"]
 
 

@@ -70,7 +70,7 @@ MEMORY_BUDGET_BYTES = 4 * 1024**3  # the memory cgroup: resident memory of all l
 MAX_PROCESSES = 32  # RLIMIT_NPROC for the sandbox uid (threads count too)
 UID_RANGE = (1 << 30, (1 << 31) - 2)  # sandbox uids are drawn from here; no real account should be in it
 RUN_DIR_INSIDE = "/sandbox"  # where the run dir appears in the namespace modes' minimal root
-# What the code may see besides the Python install: binaries, shared libraries, the loader's cache.
+# The devices the code may open (what else it may read: confine.visible_paths).
 DEVICES = ["null", "zero", "random", "urandom"]
 
 _MARKER = "\n\n... [{n} bytes of output omitted] ...\n\n"

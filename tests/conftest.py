@@ -42,7 +42,7 @@ os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 import pytest
 import torch
 
-from vllm_server import VLLMServer, group_pids, healthy, start_vllm_server
+from vllm_server import FORKED_ENGINE_CORE, VLLMServer, group_pids, healthy, start_vllm_server
 
 REPO = Path(__file__).resolve().parent.parent
 START_TIMEOUT = float(os.environ.get("VLLM_START_TIMEOUT", 600))
@@ -260,7 +260,7 @@ class ForkedServer(VLLMServer):
     kills its servers when this session ends, however it ends (EOF on its stdin)."""
 
     def _launch(self) -> None:
-        if "-c" not in self.cmd:  # not FORKED_ENGINE_CORE: a multi-rank or GPU server
+        if FORKED_ENGINE_CORE not in self.cmd:  # a multi-rank or GPU server
             return super()._launch()
         self.proc = ForkedProcess(
             {"cmd": self.cmd, "env": self.env, "cwd": os.getcwd(), "log": str(self.log_path)}
