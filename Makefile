@@ -151,7 +151,7 @@ gpu-check:
 # aiohttp and pytest; never vLLM; no install step, like gpu-check. Each test skips, saying why, where no
 # CUDA device is visible.
 gpu-test:
-	$(if $(wildcard $(PY)),$(PY),python3) -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py
+	$(if $(wildcard $(PY)),$(PY),python3) -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_packing.py tests/test_trainer_perf.py
 
 serve: install tiny-model
 	$(PY) vllm_server.py --model models/tiny

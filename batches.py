@@ -15,7 +15,9 @@ Sequences do not see each other: tests/test_packing.py checks logprobs and gradi
 one-sequence-at-a-time forwards (the varlen one on a GPU).
 """
 
+import functools
 import importlib.util
+import inspect
 import itertools
 import random
 import time
@@ -403,9 +405,21 @@ def packed_varlen(
     q, k, v = (t[0].transpose(0, 1).to(torch.bfloat16) for t in (query, key, value))  # (T, H, D)
     out = varlen_attn(
         q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling,
-        window_size=(-1, 0), enable_gqa=k.shape[1] != q.shape[1],
+        **_varlen_causal(varlen_attn, gqa=k.shape[1] != q.shape[1]),
     )  # fmt: skip
     return out[None], None  # (1, T, H, D)
+
+
+@functools.cache
+def _varlen_causal(varlen_attn, gqa: bool) -> dict:
+    """varlen_attn's keywords for causal attention, by the signature of this torch's: 2.10 took
+    is_causal, 2.11 window_size=(-1, 0); 2.13 also wants enable_gqa for fewer KV heads (the flash kernel
+    always ran GQA; 2.13 checks that the caller meant it)."""
+    params = inspect.signature(varlen_attn).parameters
+    kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if gqa and "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+    return kwargs
 
 
 def packed_attention(device: torch.device, compute_dtype: str) -> str:

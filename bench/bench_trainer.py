@@ -113,11 +113,24 @@ def head_memory_child(head: str, tokens: int, hidden_size: int, device: str) -> 
     return {"extra_gib": round((peak - before) / 2**30, 3), "seconds": round(time.perf_counter() - t0, 2)}
 
 
+def child(cmd: list[str], env: dict | None = None, timeout_s: float = 600) -> dict:
+    """One measurement in a fresh process: its last stdout line (JSON), or {"error": ...} with the end of
+    its stderr printed (e.g. out of memory: a figure, not a crash of the bench; a hang: its timeout)."""
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no result in {timeout_s:.0f} s"}
+    if done.returncode == 0:
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    tail = done.stderr.strip().splitlines()[-15:] or ["?"]
+    print("\n".join("  | " + line for line in tail), flush=True)
+    return {"error": tail[-1][:200]}
+
+
 def head_memory(head: str, tokens: int, hidden_size: int, device: str) -> dict:
     cmd = [sys.executable, __file__, "--child-head", head, "--tokens", str(tokens),
            "--hidden", str(hidden_size), "--device", device]  # fmt: skip
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    result = json.loads(out.strip().splitlines()[-1])
+    result = child(cmd)
     print(f"head {head} at {tokens} tokens: {result}", flush=True)
     return result
 
@@ -241,13 +254,7 @@ def step_child(setting: dict) -> dict:
 def step(setting: dict) -> dict:
     cmd = [sys.executable, __file__, "--child-step", json.dumps(setting)]
     with tempfile.TemporaryDirectory() as cache:  # inductor's cache empty: the compile a first run waits for
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if done.returncode:
-        tail = done.stderr.strip().splitlines()[-1:] or ["?"]
-        result = {"error": tail[0][:200]}  # e.g. out of memory: a figure, not a crash of the bench
-    else:
-        result = json.loads(done.stdout.strip().splitlines()[-1])
+        result = child(cmd, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache})
     print(f"step {setting}: {result}", flush=True)
     return result
 
@@ -296,16 +303,16 @@ def main() -> None:
         runs = {}
         for preset in args.presets:
             s = {**base, **batch, "preset": preset, "micro_batch": 8192}
-            runs[preset] = {
-                "old_head_ckpt_on": step({**s, "head": "old", "checkpointing": True}),  # the trainer before
-                "new_head": step(s),
-                "new_head_ckpt_on": step({**s, "checkpointing": True}),
+            runs[preset] = {  # the issue's goals first (a lease may end before the last)
                 "new_head_ckpt_on_16k": step({**s, "checkpointing": True, "micro_batch": 16384}),
-                "new_head_per_sequence_sdpa": step({**s, "varlen": False}),
+                "new_head": step(s),
+                "old_head_ckpt_on": step({**s, "head": "old", "checkpointing": True}),  # the trainer before
                 "new_head_compile_on": step({**s, "compile": True}),  # beside new_head: compile off
                 "new_head_ckpt_on_16k_compile_on": step(
                     {**s, "checkpointing": True, "micro_batch": 16384, "compile": True}
                 ),
+                "new_head_per_sequence_sdpa": step({**s, "varlen": False}),
+                "new_head_ckpt_on": step({**s, "checkpointing": True}),
             }
     else:
         batch = {"sequences": 8, "min_len": 150, "max_len": 600}

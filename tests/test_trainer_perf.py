@@ -105,7 +105,7 @@ def test_a_step_synchronizes_with_the_gpu_twice_per_optimizer_step(tiny_model):
             step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) == 2, syncs
 
 
