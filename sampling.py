@@ -109,6 +109,13 @@ def token_logprobs_and_entropy(
     set, and a −inf logprob on a trained token is a NaN step. Kept, it adds that edge token's mass (and
     that of any token between it and the threshold) to the row's normalizer. Prompt and tool tokens
     (masked) get finite logprobs this way too; the loss ignores whatever is there anyway."""
+    return _logprobs_and_normalizer(logits, targets, sampling, with_entropy)[:2]
+
+
+def _logprobs_and_normalizer(logits, targets, sampling: Sampling, with_entropy: bool):
+    """token_logprobs_and_entropy, and per row the log-normalizer and the processed logits (−inf off the
+    kept set): what the streamed head's backward needs to rebuild the distribution a slice of the
+    vocabulary at a time."""
     scaled = processed_logits(logits, sampling, keep=targets)
     logz = torch.logsumexp(scaled, dim=-1)  # (N,)
     logprobs = scaled.gather(-1, targets[:, None]).squeeze(-1) - logz
@@ -118,18 +125,18 @@ def token_logprobs_and_entropy(
             probs = (scaled - logz[:, None]).exp_()  # 0 off the kept set
             # 0 · (−inf) is nan: truncated tokens contribute nothing
             entropy = logz - probs.mul_(scaled.masked_fill(probs == 0, 0.0)).sum(-1)
-    return logprobs, entropy
+    return logprobs, entropy, logz.detach(), scaled.detach()
 
 
 # ---------------------------------------------------------------------------------------------------
 # THE HEAD: logprobs from the final hidden states, streamed over the positions that are needed
 # ---------------------------------------------------------------------------------------------------
-# Logits per chunk of the streamed head: 64 MiB per fp32 (rows, V) tensor, 110 rows at Qwen's 151,936
-# vocabulary. A chunk's working set is a handful of such tensors (the logits, their processed copy, the
-# softmax, the sort of a top-p threshold), so the head's extra memory is bounded by the chunk and the
-# weight-gradient accumulator, not by the row: the (T, V) fp32 logits of a 16k-token row are 10 GB
-# (bench/bench_trainer.py measures it).
-HEAD_CHUNK_LOGITS = 2**24
+# Logits per chunk of the streamed head: 128 MiB per fp32 chunk, 220 rows of Qwen's 151,936 vocabulary in
+# the forward, 2,048 columns of a 16k-token micro-batch in the backward. A chunk's working set is a handful
+# of such tensors (the logits, their processed copy, the softmax, the sort of a top-p threshold), so the
+# head's extra memory is bounded by the chunk, the weight's bf16 copy and its gradient, not by the row:
+# the (T, V) fp32 logits of a 16k-token row are 10 GB (bench/bench_trainer.py measures it).
+HEAD_CHUNK_LOGITS = 2**25
 
 
 def head_logits(hidden: torch.Tensor, weight: torch.Tensor, bf16: bool) -> torch.Tensor:
@@ -141,50 +148,86 @@ def head_logits(hidden: torch.Tensor, weight: torch.Tensor, bf16: bool) -> torch
 
 
 class _StreamedHead(torch.autograd.Function):
-    """token_logprobs_and_entropy over the logits hidden @ weight.T, a chunk of rows at a time, with a
-    backward that recomputes each chunk's logits: no (N, V) tensor is ever held. The gradient is that of
-    the processed distribution: d log π(t) / d logit_j = (1[j = t] − π_j) / temperature over the kept set
-    (π_j = 0 outside it, where the −inf fill gives no gradient), the same as autograd through
-    token_logprobs_and_entropy."""
+    """token_logprobs_and_entropy over the logits hidden @ weight.T without the (N, V) logits. The
+    forward goes a chunk of rows at a time (a row's truncation and normalizer need all of its
+    vocabulary) and keeps each row's log-normalizer and, with truncation, its kept set as bits (a
+    threshold would not do: the backward's logits come from another matmul shape, so a logit tied with
+    the threshold can round to either side of it); the backward goes a slice of the vocabulary at a
+    time over every row, recomputing that slice's logits: each slice of the weight's
+    gradient is one matmul over all N positions, written once (summing it over row chunks instead
+    reads and writes the whole fp32 (V, H) gradient per chunk: on an H200 that was ~10 % of a 1.5B
+    step). The gradient is that of the processed distribution: d log π(t) / d logit_j = (1[j = t] − π_j)
+    / temperature over the kept set (π_j = 0 outside it, where the −inf fill gives no gradient), the same
+    as autograd through token_logprobs_and_entropy."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, sampling: Sampling, with_entropy: bool, bf16: bool, rows: int):
+    def forward(ctx, hidden, weight, targets, sampling: Sampling, with_entropy: bool, bf16: bool, chunk: int):
         w = weight.to(torch.bfloat16) if bf16 else weight  # cast once, not per chunk
         acc = at_least_fp32(hidden.dtype)
-        logprobs = hidden.new_empty(len(targets), dtype=acc)
-        entropy = hidden.new_empty(len(targets) if with_entropy else 0, dtype=acc)
-        for start in range(0, len(targets), rows):
+        n = len(targets)
+        logprobs, logz = hidden.new_empty(n, dtype=acc), hidden.new_empty(n, dtype=acc)
+        entropy = hidden.new_empty(n if with_entropy else 0, dtype=acc)
+        vocab = weight.shape[0]
+        backward = sampling.truncates and any(ctx.needs_input_grad[:2])  # not for the reference, a re-score
+        kept = hidden.new_empty((n, -(-vocab // 8)), dtype=torch.uint8) if backward else None
+        rows = max(1, chunk // vocab)
+        for start in range(0, n, rows):
             end = start + rows
-            lp, ent = token_logprobs_and_entropy(
+            lp, ent, logz[start:end], scaled = _logprobs_and_normalizer(
                 head_logits(hidden[start:end], w, bf16), targets[start:end], sampling, with_entropy
             )
             logprobs[start:end] = lp
             if with_entropy:
                 entropy[start:end] = ent
-        ctx.save_for_backward(hidden, weight, targets)
-        ctx.sampling, ctx.bf16, ctx.rows = sampling, bf16, rows
+            if kept is not None:
+                kept[start:end] = pack_bits(scaled != float("-inf"))
+        ctx.save_for_backward(hidden, weight, targets, logz, kept)
+        ctx.sampling, ctx.bf16, ctx.chunk = sampling, bf16, chunk
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, _grad_entropy):
-        hidden, weight, targets = ctx.saved_tensors
-        sampling, bf16, rows = ctx.sampling, ctx.bf16, ctx.rows
+        hidden, weight, targets, logz, kept = ctx.saved_tensors
+        sampling, bf16 = ctx.sampling, ctx.bf16
         w = weight.to(torch.bfloat16) if bf16 else weight
-        grad_hidden = torch.empty_like(hidden)
+        h = hidden.to(w.dtype)  # cast once: every slice's matmuls read all of it
         acc = at_least_fp32(weight.dtype)
-        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)  # fp32 over chunks
-        for start in range(0, len(targets), rows):
-            end = start + rows
-            g = grad_logprobs[start:end, None].to(acc)  # (c, 1)
-            logits = head_logits(hidden[start:end], w, bf16)
-            scaled = processed_logits(logits, sampling, keep=targets[start:end])
-            probs = scaled.sub_(scaled.logsumexp(-1, keepdim=True)).exp_()  # (c, V), in place: 0 off the set
-            grad = probs.mul_(-g).scatter_add_(1, targets[start:end, None], g).div_(sampling.temperature)
-            grad = grad.to(w.dtype)  # what autocast's matmul backward sees
-            grad_hidden[start:end] = (grad @ w).to(hidden.dtype)
-            grad_weight += grad.T @ hidden[start:end].to(w.dtype)
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
+        g = grad_logprobs.to(acc)[:, None]  # (N, 1)
+        grad_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)  # fp32 over slices
+        grad_weight = torch.empty(weight.shape, dtype=acc, device=weight.device)
+        vocab, cols = weight.shape[0], max(8, ctx.chunk // max(1, len(targets)) // 8 * 8)  # whole bytes
+        for start in range(0, vocab, cols):
+            end = min(start + cols, vocab)
+            scaled = head_logits(h, w[start:end], bf16).to(acc).div_(sampling.temperature)  # (N, c)
+            if kept is not None:
+                scaled.masked_fill_(
+                    ~unpack_bits(kept[:, start // 8 : -(-end // 8)], end - start), float("-inf")
+                )
+            grad = scaled.sub_(logz[:, None]).exp_().mul_(-g)  # −g π_j, in place: 0 off the kept set
+            local = targets - start  # + g at each row's target, where it falls in this slice
+            inside = ((local >= 0) & (local < end - start))[:, None]
+            grad.scatter_add_(1, local.clamp(0, end - start - 1)[:, None], g * inside)
+            grad = grad.div_(sampling.temperature).to(w.dtype)  # what autocast's matmul backward sees
+            grad_hidden += grad @ w[start:end]
+            grad_weight[start:end] = grad.T @ h
+        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None, None, None, None
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """(N, V) bool → (N, ⌈V/8⌉) uint8, column j in bit j % 8 of byte j // 8."""
+    n, v = mask.shape
+    padded = torch.nn.functional.pad(mask, (0, -v % 8)).view(n, -1, 8).to(torch.uint8)
+    return (padded << _BIT_SHIFTS.to(mask.device)).sum(-1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, columns: int) -> torch.Tensor:
+    """pack_bits' inverse: (N, B) uint8 → (N, columns) bool, columns ≤ 8 B."""
+    bits = (packed[:, :, None] >> _BIT_SHIFTS.to(packed.device)) & 1
+    return bits.view(len(packed), -1)[:, :columns].bool()
+
+
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
 
 
 def streamed_logprobs(
@@ -199,8 +242,7 @@ def streamed_logprobs(
     """token_logprobs_and_entropy(hidden @ weight.T, targets, ...) without the (N, V) logits: hidden (N, H)
     the final hidden states of the positions that predict `targets` (N,), weight (V, H) the LM head's.
     Differentiable in hidden and weight (entropy: no grad). Returns (logprobs (N,), entropy (N,) or None)."""
-    rows = max(1, chunk_logits // weight.shape[0])
-    lp, entropy = _StreamedHead.apply(hidden, weight, targets, sampling, with_entropy, bf16, rows)
+    lp, entropy = _StreamedHead.apply(hidden, weight, targets, sampling, with_entropy, bf16, chunk_logits)
     return lp, (entropy if with_entropy else None)
 
 
