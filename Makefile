@@ -133,7 +133,7 @@ bench: install tiny-model
 
 # Figure 10 on a CUDA GPU: the trainer's step at Qwen2.5 0.5B/1.5B/3B shapes (docs/trainer.md).
 bench-gpu: install
-	$(PY) bench/bench_trainer.py --device cuda --out bench/results.json
+	$(PY) bench/bench_trainer.py --device cuda --profile --out bench/results.json
 
 # Figure 1 as README's table has it: medians of 3 repeats (~25 min quiet), then the table.
 bench-full: install tiny-model

@@ -149,8 +149,8 @@ def free_memory(device: torch.device, taken_later: float = 0.0) -> int | None:
 def compile_layers(setting: str, device: torch.device, *models) -> str:
     """--compile: each decoder layer's forward through torch.compile (inductor), in every model given
     (None: skipped); returns the start-up line, printed on rank 0. "auto": on where the bench measured
-    it paying: on CUDA (figure 10 on an H200, 1.5B shape: 1.13x the step at 8k-token micro-batches,
-    1.16x with checkpointing at 16k; the first step waits ~20 s for inductor), not on CPU (0.91-0.99x,
+    it paying: on CUDA (figure 10 on an H200, 1.5B shape, 8k-token micro-batches: 1.21x the step; the
+    first step waits ~20 s more for inductor), not on CPU (0.91-0.99x,
     and 20-30 s more for the first step; docs/trainer.md). Per layer,
     not the whole model: all layers share one set of graphs, and
     what sits between them (checkpointing's recompute, FSDP2's gathers, transformers' output hooks)
@@ -164,7 +164,7 @@ def compile_layers(setting: str, device: torch.device, *models) -> str:
     if setting != "auto":
         why = f"--compile {setting}"
     elif on:
-        why = "auto: 1.13-1.16x the step on CUDA in make bench-gpu; --compile off to skip inductor's ~20 s"
+        why = "auto: 1.21x the step on CUDA in make bench-gpu; --compile off to skip inductor's ~20 s"
     else:
         why = f"auto: no faster on {device.type}"
     if on:

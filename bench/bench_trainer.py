@@ -248,7 +248,42 @@ def step_child(setting: dict) -> dict:
         if tflops:
             mfu = statistics.median(step_flops(model.config, seqs) / t / (tflops * 1e12) for seqs, t in timed)
             out["mfu"] = round(mfu, 4)
+    if setting.get("profile"):
+        again = batches[0]  # a packing the warm-up compiled for
+        out["profile"] = profile_step(
+            lambda: trainer.train_step(model, None, optimizer, scheduler, again, args, 0, 1, device), device
+        )
     return out
+
+
+def profile_step(run, device: torch.device) -> dict:
+    """One more step under torch.profiler: the share of its wall time the device was busy (kernels summed:
+    the launches and host syncs show as the rest), the kernel count, and the kernels taking most time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        run()
+        if cuda:
+            torch.cuda.synchronize()
+    wall_us = (time.perf_counter() - t0) * 1e6
+    kernels = [
+        e
+        for e in prof.events()
+        if (e.device_type.name == "CUDA") == cuda and not getattr(e, "is_user_annotation", False)
+    ]
+    if not cuda:  # CPU: the aten ops at the top of their stacks
+        kernels = [e for e in kernels if e.cpu_parent is None]
+    busy_us = sum(e.device_time if cuda else e.cpu_time for e in kernels)
+    totals: dict = {}
+    for e in kernels:
+        us, n = totals.get(e.name, (0.0, 0))
+        totals[e.name] = (us + (e.device_time if cuda else e.cpu_time), n + 1)
+    top = sorted(totals.items(), key=lambda kv: -kv[1][0])[:15]
+    return {"busy": round(busy_us / wall_us, 3), "kernels": len(kernels), "wall_s": round(wall_us / 1e6, 2),
+            "top_ms": [[name[:90], round(us / 1e3, 1), n] for name, (us, n) in top]}  # fmt: skip
 
 
 def step(setting: dict) -> dict:
@@ -267,6 +302,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="timed steps per setting (median), after a warm-up")
     p.add_argument("--out", default=None, help="JSON results file to merge into")
     p.add_argument("--only", nargs="+", help="GPU form: these train-step settings (names as in the results)")
+    p.add_argument(
+        "--profile", action="store_true", help="one more step of each setting under torch.profiler"
+    )
     p.add_argument("--child-head", choices=["old", "new"], help=argparse.SUPPRESS)
     p.add_argument("--child-step", help=argparse.SUPPRESS)
     p.add_argument("--tokens", type=int, default=16384, help=argparse.SUPPRESS)
@@ -298,7 +336,7 @@ def main() -> None:
     }  # fmt: skip
     # train steps
     base = {"device": args.device, "repeats": args.repeats, "peak_tflops": args.peak_tflops, "varlen": gpu,
-            "checkpointing": False, "head": "new", "compile": False}  # fmt: skip
+            "checkpointing": False, "head": "new", "compile": False, "profile": args.profile}  # fmt: skip
     if gpu:
         batch = {"sequences": 64, "min_len": 300, "max_len": 2300}
         runs = {}

@@ -166,6 +166,32 @@ def rows(r: dict) -> list[tuple[str, str, str, str]]:
             "2 cores shared with the server: a spinning thread holds a core the server (or the other "
             "trainer thread it waits for) needs", o["command"],
         ))  # fmt: skip
+    if "trainer" in r:
+        t = r["trainer"]
+        head, steps = t["head_extra_gib"], t["steps"]["cpu-small"]
+        old, new = steps["old_head"], steps["new_head"]
+        speedup = new["tok_s"] / old["tok_s"]
+        out.append((
+            "10. logprob head's extra memory at 16k tokens: streamed / full logits; CPU step tok/s",
+            f"{head['new']['16384']['extra_gib']} / {head['old']['16384']['extra_gib']} GiB (full: "
+            f"extrapolated from 1k, 2k); {speedup:.2f}x ({new['tok_s']} / {old['tok_s']} tok/s), "
+            f"peak RSS {new['peak_gib']} / {old['peak_gib']} GiB",
+            "the head's chunk (2^25 fp32 logits) at hidden 64; the step: the head is most of its FLOPs",
+            t["command"],
+        ))  # fmt: skip
+    if "trainer_gpu" in r:
+        t = r["trainer_gpu"]
+        for preset, steps in t["steps"].items():
+            best = max((v for v in steps.values() if "mfu" in v), key=lambda v: v["mfu"])
+            name = next(k for k, v in steps.items() if v is best)
+            old = steps.get("old_head_ckpt_on", {})
+            out.append((
+                f"10. GPU ({t['device'].split(' (')[0]}), {preset}: best MFU; over the old head's step",
+                f"{best['mfu']:.1%} ({name}, {best['tok_s']:.0f} tok/s, peak {best['peak_gib']} GiB)"
+                + (f"; {best['tok_s'] / old['tok_s']:.2f}x" if "tok_s" in old else ""),
+                "not profiled yet: make bench-gpu (--profile) says where the step's time goes",
+                t["command"],
+            ))  # fmt: skip
     return out
 
 

@@ -162,7 +162,7 @@ def test_compile_auto_is_on_where_measured_to_pay_and_the_line_says_so(capsys):
             "auto",
             "cuda",
             True,
-            "auto: 1.13-1.16x the step on CUDA in make bench-gpu; --compile off to skip inductor's ~20 s",
+            "auto: 1.21x the step on CUDA in make bench-gpu; --compile off to skip inductor's ~20 s",
         ),
         ("on", "cpu", True, "--compile on"),
         ("off", "cuda", False, "--compile off"),
