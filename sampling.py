@@ -154,11 +154,11 @@ class _StreamedHead(torch.autograd.Function):
     threshold would not do: the backward's logits come from another matmul shape, so a logit tied with
     the threshold can round to either side of it); the backward goes a slice of the vocabulary at a
     time over every row, recomputing that slice's logits: each slice of the weight's
-    gradient is one matmul over all N positions, written once (summing it over row chunks instead
-    reads and writes the whole fp32 (V, H) gradient per chunk: on an H200 that was ~10 % of a 1.5B
-    step). The gradient is that of the processed distribution: d log π(t) / d logit_j = (1[j = t] − π_j)
-    / temperature over the kept set (π_j = 0 outside it, where the −inf fill gives no gradient), the same
-    as autograd through token_logprobs_and_entropy."""
+    gradient is one matmul over all N positions, written once (summing it over 110-row chunks instead
+    read and wrote the whole fp32 (V, H) gradient per chunk: on an H200 the 1.5B step was 1.28-1.32x
+    slower, docs/trainer.md). The gradient is that of the processed distribution: d log π(t) / d logit_j
+    = (1[j = t] − π_j) / temperature over the kept set (π_j = 0 outside it, where the −inf fill gives no
+    gradient), the same as autograd through token_logprobs_and_entropy."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, sampling: Sampling, with_entropy: bool, bf16: bool, chunk: int):
@@ -168,8 +168,8 @@ class _StreamedHead(torch.autograd.Function):
         logprobs, logz = hidden.new_empty(n, dtype=acc), hidden.new_empty(n, dtype=acc)
         entropy = hidden.new_empty(n if with_entropy else 0, dtype=acc)
         vocab = weight.shape[0]
-        backward = sampling.truncates and any(ctx.needs_input_grad[:2])  # not for the reference, a re-score
-        kept = hidden.new_empty((n, -(-vocab // 8)), dtype=torch.uint8) if backward else None
+        keep_bits = sampling.truncates and any(ctx.needs_input_grad[:2])  # not for the reference, a re-score
+        kept = hidden.new_empty((n, -(-vocab // 8)), dtype=torch.uint8) if keep_bits else None
         rows = max(1, chunk // vocab)
         for start in range(0, n, rows):
             end = start + rows

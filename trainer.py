@@ -147,19 +147,18 @@ def free_memory(device: torch.device, taken_later: float = 0.0) -> int | None:
 
 
 def compile_layers(setting: str, device: torch.device, *models) -> str:
-    """--compile: each decoder layer's forward through torch.compile (inductor), in every model given
-    (None: skipped); returns the start-up line, printed on rank 0. "auto": on where the bench measured
-    it paying: on CUDA (figure 10 on an H200, 1.5B shape, 8k-token micro-batches: 1.21x the step; the
-    first step waits ~20 s more for inductor), not on CPU (0.91-0.99x,
-    and 20-30 s more for the first step; docs/trainer.md). Per layer,
-    not the whole model: all layers share one set of graphs, and
-    what sits between them (checkpointing's recompute, FSDP2's gathers, transformers' output hooks)
-    stays eager: only `forward` is compiled, so hooks, parameter names and checkpoints are unchanged,
-    and FSDP2 shards the layers afterwards (torchtitan's order). The packed attention is left out of the
-    graph (torch.compiler.disable; per_sequence_sdpa loops over the row's sequences, varlen is one kernel
-    already), and its host-side kwargs go around the graph (_around_the_graph). What is compiled is
-    the norms, projections, rotary, SwiGLU and residuals, with dynamic=True: one graph for every
-    micro-batch (tests/test_trainer_perf.py counts the compiles, and compares the step with eager's)."""
+    """--compile: each decoder layer's forward through torch.compile (inductor), in every model given (None:
+    skipped); returns the start-up line, printed on rank 0. "auto": on where the bench measured it paying:
+    on CUDA (figure 10 on an H200, 1.5B shape, 8k-token micro-batches: 1.21x the step; the first step
+    waits ~20 s more for inductor), not on CPU (0.91-1.03x across runs, and ~20 s more for the first step;
+    docs/trainer.md). Per layer, not the whole model: all layers share one set of graphs, and what sits
+    between them (checkpointing's recompute, FSDP2's gathers, transformers' output hooks) stays eager:
+    only `forward` is compiled, so hooks, parameter names and checkpoints are unchanged, and FSDP2 shards
+    the layers afterwards (torchtitan's order). The packed attention is left out of the graph
+    (torch.compiler.disable; per_sequence_sdpa loops over the row's sequences, varlen is one kernel
+    already), and its host-side kwargs go around the graph (_around_the_graph). What is compiled is the
+    norms, projections, rotary, SwiGLU and residuals, with dynamic=True: one graph for every micro-batch
+    (tests/test_trainer_perf.py counts the compiles, and compares the step with eager's)."""
     on = setting == "on" or (setting == "auto" and device.type == "cuda")
     if setting != "auto":
         why = f"--compile {setting}"

@@ -276,12 +276,13 @@ def profile_step(run, device: torch.device) -> dict:
     ]
     if not cuda:  # CPU: the aten ops at the top of their stacks
         kernels = [e for e in kernels if e.cpu_parent is None]
-    busy_us = sum(e.device_time if cuda else e.cpu_time for e in kernels)
+    timed = [(e.name, e.device_time if cuda else e.cpu_time) for e in kernels]
     totals: dict = {}
-    for e in kernels:
-        us, n = totals.get(e.name, (0.0, 0))
-        totals[e.name] = (us + (e.device_time if cuda else e.cpu_time), n + 1)
+    for name, us in timed:
+        total, n = totals.get(name, (0.0, 0))
+        totals[name] = (total + us, n + 1)
     top = sorted(totals.items(), key=lambda kv: -kv[1][0])[:15]
+    busy_us = sum(us for _, us in timed)
     return {"busy": round(busy_us / wall_us, 3), "kernels": len(kernels), "wall_s": round(wall_us / 1e6, 2),
             "top_ms": [[name[:90], round(us / 1e3, 1), n] for name, (us, n) in top]}  # fmt: skip
 
