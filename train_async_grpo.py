@@ -593,8 +593,11 @@ def main(argv: list[str] | None = None) -> None:
                 functools.partial(heal, run),
             )  # fmt: skip
 
-            # Every rank gets the batch and trains on its share of it (train_on).
+            # Every rank gets the batch and trains on its share of it (train_on). The servers' weight tags
+            # that the sync's heal reads are asked for meanwhile.
             t_train = time.monotonic()
+            if (run.step + 1) % args.sync_every == 0:
+                run.syncer.poll_ahead()
             trained_at = run.version  # the version the batch's lags are measured against
             trained, groups = train_on(run, groups, ref_model, device)
             run.position.consume(g.row["_index"] for g in taken)  # trained, or dropped as a whole run would

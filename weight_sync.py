@@ -170,6 +170,30 @@ def _resume(url: str, path: str, body: dict | None, timeout_s: float) -> dict:
     return answer
 
 
+def weight_tags(urls: list[str], timeout_s: float = 2.0) -> dict[str, str | None]:
+    """Each server's weight-version tag (`/weight_info`; "default" on a fresh server), asked of all at
+    once: a busy server answers after its current engine step. None for one that does not answer."""
+
+    def tag(url: str) -> str | None:
+        try:
+            with urllib.request.urlopen(url + "/weight_info", timeout=timeout_s) as r:
+                return json.loads(r.read())["weight_version"]
+        except Exception:  # noqa: BLE001 - not answering (yet)
+            return None
+
+    pool = ThreadPoolExecutor(max_workers=max(1, len(urls)))
+    futures = [pool.submit(tag, u) for u in urls]
+    pool.shutdown(wait=False)
+    deadline = time.monotonic() + timeout_s + 5  # urllib's own timeout fires first; this is a backstop
+    tags = {}
+    for u, f in zip(urls, futures):
+        try:
+            tags[u] = f.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            tags[u] = None
+    return tags
+
+
 def _call_all(
     urls: list[str], path: str, bodies: list[dict | None], timeout_s: float, call=post
 ) -> dict[str, str]:
@@ -314,6 +338,7 @@ class WeightSyncer:
         self.taken_out: dict[str, str] = {}  # url -> why it left the run (`take_out`); not in `urls`
         self.stores: dict = {}  # gloo group -> its TCPStore, which must outlive it
         self.phase_seconds: dict[str, float] = {}  # the last sync's, by phase (bench_weight_sync.py)
+        self._tags_ahead: tuple | None = None  # (version when asked, Future of weight_tags): poll_ahead
 
     def init(self) -> None:
         """Form the transfer group(s) with every server. Raises naming any server that fails."""
@@ -410,12 +435,14 @@ class WeightSyncer:
         """Servers that answer but may not hold the trainer's weights: restarted (a new server reports
         weight version "default" and has no group), or failed their last sync. Dead ones are left out:
         there is nothing to do for them until they answer."""
+        ahead, self._tags_ahead = self._tags_ahead, None
+        # Answers asked before a sync would name every server that took it as out of step: asked again.
+        tags = ahead[1].result() if ahead is not None and ahead[0] == self.version else None
+        tags = tags or weight_tags(self.urls)
         stale = []
         for u in self.urls:
-            try:
-                with urllib.request.urlopen(u + "/weight_info", timeout=2) as r:
-                    tag = json.loads(r.read())["weight_version"]
-            except Exception:  # noqa: BLE001 - not answering (yet)
+            tag = tags.get(u)
+            if tag is None:
                 continue
             if (u in self.stuck or u in self.restarting) and tag != "default":
                 continue  # still inside the receive (or its restart not up yet): a join would wait in vain
@@ -424,6 +451,15 @@ class WeightSyncer:
             if u not in self.groups or u in self.failed or tag != str(self.version):
                 stale.append(u)
         return stale
+
+    def poll_ahead(self) -> None:
+        """Ask every server for its weight tag now, on a thread, for the next `out_of_step` (heal's, before
+        each sync): each answer waits for a busy server's engine step, which then runs beside the
+        trainer's step instead of before its sync. A sync before that `out_of_step` voids the answers."""
+        if self._tags_ahead is None:
+            pool = ThreadPoolExecutor(max_workers=1)
+            self._tags_ahead = (self.version, pool.submit(weight_tags, list(self.urls)))
+            pool.shutdown(wait=False)
 
     def to_restart(self) -> list[str]:
         """Stuck servers to restart now (`vllm_server.relaunch_exited`): each once, then again only if it

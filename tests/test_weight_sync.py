@@ -10,6 +10,7 @@ mid-sync and restarted. At most two servers are up at a time.
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -381,6 +382,8 @@ class FakeServer:
         self.kv_reset = True  # what /reset_prefix_cache answers (vLLM: false while blocks are held)
         self.sleeping = False  # /wake_up answers "sleeping" (put to sleep at another level by someone else)
         self.down_until = 0.0  # monotonic time until which it is starting up: every route answers 503
+        self.tag_asks = 0  # GET /weight_info answered
+        self.before_tag = lambda: None  # runs before /weight_info answers (a busy engine's step)
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def log_message(self, *_):
@@ -399,6 +402,8 @@ class FakeServer:
                 if self.path == "/get_world_size":
                     return self.answer({"world_size": 1})
                 if self.path == "/weight_info":
+                    fake.before_tag()
+                    fake.tag_asks += 1
                     return self.answer({"weight_version": fake.version})
                 self.answer({})
 
@@ -791,6 +796,48 @@ def test_nccl_join_leaves_stuck_servers_out():
     assert comms[-1].members() == [servers[0], servers[2]] and servers[1].url not in syncer.groups
     syncer.sync(counting_params(), version=1)
     assert [s.version for s in servers] == ["1", "default", "1"]
+
+
+def test_heal_reads_the_weight_tags_asked_during_the_step_and_asks_again_after_a_sync():
+    """poll_ahead asks for the tags while the trainer steps; heal's out_of_step before the sync reads
+    those answers without asking again. Answers from before a sync are void: every server that took it
+    would be named out of step (and re-joined, and re-synced) on the strength of its old tag."""
+    servers = [FakeServer(), FakeServer()]
+    syncer, _ = fake_syncer("gloo", servers)
+    syncer.init()
+    syncer.sync(counting_params(), version=1)
+
+    def asked(n: int) -> None:
+        deadline = time.monotonic() + 5
+        while any(s.tag_asks < n for s in servers):
+            assert time.monotonic() < deadline, [s.tag_asks for s in servers]
+            time.sleep(0.01)
+
+    servers[1].version = "default"  # restarted while the trainer steps
+    syncer.poll_ahead()
+    asked(1)
+    assert syncer.out_of_step() == [servers[1].url]
+    assert [s.tag_asks for s in servers] == [1, 1]  # the answers asked ahead, not asked again
+    servers[1].version = "1"
+    syncer.poll_ahead()
+    asked(2)
+    syncer.sync(counting_params(), version=2)  # a sync before heal reads them: both now hold "2"
+    assert syncer.out_of_step() == []
+    assert [s.tag_asks for s in servers] == [3, 3]
+
+
+def test_out_of_step_asks_every_server_at_once():
+    """Each answer waits for a busy server's engine step: asked one after the other, heal would wait
+    for them in turn. Here no server answers until all three have been asked; one at a time, the first
+    would time out unanswered and the others would never be asked while it waited."""
+    servers = [FakeServer() for _ in range(3)]
+    syncer, _ = fake_syncer("gloo", servers)
+    syncer.init()
+    syncer.sync(counting_params(), version=1)
+    barrier = threading.Barrier(len(servers), timeout=5)
+    for s in servers:
+        s.version, s.before_tag = "default", barrier.wait
+    assert syncer.out_of_step() == [s.url for s in servers]
 
 
 def test_a_failed_server_finishes_its_update_before_it_rejoins():
