@@ -162,10 +162,10 @@ def verify_server(
     FidelityError (naming the server, the gap and the likely causes) when they disagree. Under FSDP
     every rank joins the re-scoring forwards (rank 0 broadcasts the samples; the others answer in
     trainer.follow_rank0). `bf16`: either side computes in bf16."""
-    flat = [s for kind in samples.values() for s in kind]
-    broadcast_message({"rescore": flat}, world_size)
-    scores = iter(rescore(model, flat, device, bf16))
-    scored = {kind: [next(scores) for _ in kind_samples] for kind, kind_samples in samples.items()}
+    scored = {}
+    for kind, kind_samples in samples.items():  # one forward each: a twin is scored as its request was
+        broadcast_message({"rescore": kind_samples}, world_size)
+        scored[kind] = rescore(model, kind_samples, device, bf16)
     return check_fidelity(url, samples, scored, bf16)
 
 
@@ -204,17 +204,26 @@ def probe(
         ) from e
 
 
-# After a sync: 4 seeded 8-token completions of the start-up prompts' last 64 tokens. As many positions
-# as one 32-token completion, at a quarter of its latency on a server busy with rollouts (8 decode
-# steps, not 32: the answer is in before the next step's optimizer step), and a short prefill and
-# re-score (the prompts share their first ~340 tokens, the system prompt). The same ids every sync, so a
-# server that kept its prefix cache over the sync serves them stale KV and is caught.
-PER_SYNC_PROMPTS, PER_SYNC_TOKENS, PER_SYNC_PROMPT_TOKENS = 4, 8, 64
+# After a sync: 8 seeded 4-token completions of 32-token windows of the start-up prompts (each prompt's
+# last 32 tokens and the 32 before them: any prefix of a prompt is one to continue). As many positions
+# as one 32-token completion, at an eighth of its decode steps: a server busy with rollouts answers
+# after its own queue (the in-flight requests re-prefilled on the new weights) plus one engine step per
+# token, and the answer must be in before the next step's optimizer step (the CPU bench's one-core
+# server at staleness 4, beside a 0.25 s step: 0.33 s, median, for 4 completions of 8 tokens; 0.19 s
+# for these). The re-score is one forward of the eight packed (sampling.rescore). The same ids every
+# sync, so a server that kept its prefix cache over the sync serves them stale KV and is caught.
+PER_SYNC_TOKENS, PER_SYNC_PROMPT_TOKENS = 4, 32
+PER_SYNC_PROMPTS = 4  # start-up prompts used, two windows each
 
 
 def per_sync_prompts(prompts: list[list[int]]) -> list[list[int]]:
-    """The per-sync check's prompts (PER_SYNC_PROMPTS above) from the start-up probe's."""
-    return [p[-PER_SYNC_PROMPT_TOKENS:] for p in prompts[:PER_SYNC_PROMPTS]]
+    """The per-sync check's prompts (the windows above) from the start-up probe's."""
+    windows = []
+    for p in prompts[:PER_SYNC_PROMPTS]:
+        for end in (len(p), len(p) - PER_SYNC_PROMPT_TOKENS):
+            if end > 0:
+                windows.append(p[max(0, end - PER_SYNC_PROMPT_TOKENS) : end])
+    return windows
 
 
 @dataclass

@@ -308,17 +308,21 @@ def token_logprobs(
 def rescore(model, samples: list, device, bf16: bool) -> list[tuple[list[float], list[list[float]]]]:
     """The trainer's logprobs of each probe sample (fidelity.ProbeSample): of its completion's tokens,
     through the head training uses (token_logprobs' path: final_hidden → streamed_logprobs), and of the
-    ids of each position's top dict, from the same forward. Only the positions that predict a completion
-    token go through the vocabulary projection: the prompt's logits (most of the sequence) are never
-    computed."""
-    out = []
-    for s in samples:
-        ids = torch.tensor([s.prompt_ids + s.completion_ids], device=device)
-        hidden = final_hidden(model, ids, torch.arange(ids.shape[1], device=device)[None], bf16)
-        hidden = hidden[len(s.prompt_ids) - 1 : -1]  # (completion length, H): each predicts its token
-        weight = head_weight(model)
-        lp, _ = streamed_logprobs(hidden, weight, ids[0, len(s.prompt_ids) :], s.sampling, bf16=bf16)
-        full = torch.log_softmax(processed_logits(head_logits(hidden, weight, bf16), s.sampling), dim=-1)
+    ids of each position's top dict, from the same forward. One forward for all the samples: one packed
+    row, each sample attending to itself alone (its positions restart at 0). Only the positions that
+    predict a completion token go through the vocabulary projection: the prompts' logits (most of the
+    row) are never computed."""
+    rows = [s.prompt_ids + s.completion_ids for s in samples]
+    ids = torch.tensor([[t for r in rows for t in r]], device=device)
+    position_ids = torch.cat([torch.arange(len(r)) for r in rows]).to(device)[None]
+    hidden = final_hidden(model, ids, position_ids, bf16)  # (Σ len, H)
+    weight, out, offset = head_weight(model), [], 0
+    for s, r in zip(samples, rows):
+        start = offset + len(s.prompt_ids)
+        predicting = hidden[start - 1 : offset + len(r) - 1]  # (completion length, H): each its token
+        lp, _ = streamed_logprobs(predicting, weight, ids[0, start : offset + len(r)], s.sampling, bf16=bf16)
+        full = torch.log_softmax(processed_logits(head_logits(predicting, weight, bf16), s.sampling), dim=-1)
         top = [full[j, list(d)].tolist() for j, d in enumerate(s.top)]
         out.append((lp.tolist(), top))
+        offset += len(r)
     return out

@@ -20,6 +20,8 @@ Per --max-staleness setting s (workload `equal`: retool, the same optimizer step
   train_s           mean trainer step time (perf/train_s); at s = 0 nothing generates while the
                     trainer trains (admission waits for the new version), so s = 0 gives train_s alone
   inflation         train_s(s) / train_s(0); goal ≤ 1.1
+  check_s           mean seconds the per-sync check held the trainer (fidelity/seconds, inside train_s):
+                    its re-score, and the wait for its answer where the server answers late
   speedup           seconds per trained group at s = 0 / at s
   bound, efficiency a synchronous run at the SAME generation concurrency as s ((s + 1) × the groups per
                     step, so vLLM batches as many requests) gives gen = its wait per step and train = its
@@ -86,6 +88,7 @@ def summarize(steps: list[dict], prompts: int) -> dict:
         "in_flight": sum(s["perf/requests_in_flight"] * s["perf/step_s"] for s in steps) / seconds,
         "train_s": sum(s["perf/train_s"] for s in steps) / len(steps),
         "wait_s": sum(s["perf/wait_s"] for s in steps) / len(steps),
+        "check_s": sum(s.get("fidelity/seconds", 0.0) for s in steps) / len(steps),  # inside train_s
         "len_ratio": trained_len / (admitted_len / n_admitted),
         "dropped": sum(s["rollout/dropped_stale"] for s in steps),
         "token_lag_mean": sum(s["rollout/token_lag_mean"] for s in steps) / len(steps),

@@ -3,8 +3,8 @@
     python bench/bench_fidelity.py [--model models/tiny-warm] [--repeats 5] [--out bench/results.json]
 
 One real vLLM server on the model; the check is what fidelity.SyncChecks runs for each
-server after a sync: PER_SYNC_PROMPTS (4) seeded PER_SYNC_TOKENS (8)-token completions of the probe
-prompts' last 64 tokens with their top-20 logprobs (fidelity.probe, run request only), then the
+server after a sync: 8 seeded PER_SYNC_TOKENS (4)-token completions of 32-token windows of the probe
+prompts (fidelity.per_sync_prompts) with their top-20 logprobs (fidelity.probe, run request only), then the
 trainer's re-score of them (fidelity.verify_server). The request runs beside the next step's forward and
 backward; the re-score is on the trainer's path (the figure: rescore_s / train_step_s). The step is
 one train_step on a batch of the default shape (--prompts-per-step 8 × --num-generations 8 sequences

@@ -44,7 +44,8 @@ def rows(r: dict) -> list[tuple[str, str, str, str]]:
             f"{later('inflation')} (alone {a['staleness_0']['train_s']} s)",
             "1.0: nothing of the rollout side on the trainer's core or GIL (rollouts in their own process, "
             "every server process on the server's core), and the per-sync check's answer in before the "
-            "step needs it (fidelity/seconds 0.01: its re-score)",
+            f"step needs it (the check's seconds in a step: {per('check_s')}; its re-score alone is ~0.01: "
+            "more is a wait for its answers from the loaded server)",
             a["command"],
         ))  # fmt: skip
     if "async_heavy_tail" in r:
@@ -153,8 +154,8 @@ def rows(r: dict) -> list[tuple[str, str, str, str]]:
             "8. per-sync fidelity check on the trainer's path / train step (one server)",
             f"{f['share']} (re-score {f['rescore_s']} s / {f['train_step_s']} s; goal ≤ 0.05); the request, "
             f"beside the next step: {f['request_s']} s ({f['request_share']})",
-            "four seeded 8-token completions of 64-token prompts and the trainer's four forwards of 72 "
-            "tokens; the step: 64 sequences of 300 tokens", f["command"],
+            "eight seeded 4-token completions of 32-token prompts and the trainer's one forward of them "
+            "packed (288 tokens); the step: 64 sequences of 300 tokens", f["command"],
         ))  # fmt: skip
     if "openmp_wait_policy" in r:
         o = r["openmp_wait_policy"]

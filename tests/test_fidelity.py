@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from chat_format import ChatTemplate
 from envs import episode_maker
 from envs.data import load_rows
-from fidelity import FidelityError, SyncChecks, probe, verify_server
+from fidelity import PER_SYNC_TOKENS, FidelityError, SyncChecks, per_sync_prompts, probe, verify_server
 from records import RolloutCompletion, RolloutGroup, TurnRecord
 from rollout import GenerationError, VLLMClient
 from sampling import Sampling
@@ -362,3 +362,19 @@ def test_a_top_n_entry_that_differs_is_refused_when_the_sampled_tokens_agree(tin
     top[3][-1] -= 0.01  # the last (least likely) of position 3's TOP_N
     with pytest.raises(FidelityError, match="max \\|Δ logprob\\| 0.01"):
         check_fidelity("http://s", {"run": samples}, {"run": [(lp, top)]}, low_precision=False)
+
+
+def test_the_per_sync_windows_are_slices_of_the_start_up_prompts_and_never_empty():
+    """32 positions as eight 4-token completions: two 32-token windows of each of the first 4 prompts; a
+    prompt too short for its second window gives what it has, never an empty prompt (vLLM refuses one)."""
+    long, short, exact = list(range(100)), list(range(1000, 1040)), list(range(2000, 2032))
+    assert per_sync_prompts([long, short, exact, long, long]) == [
+        long[-32:],
+        long[-64:-32],
+        short[-32:],
+        short[:8],
+        exact,
+        long[-32:],
+        long[-64:-32],
+    ]
+    assert PER_SYNC_TOKENS * len(per_sync_prompts([long] * 4)) == 32
