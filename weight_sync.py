@@ -184,14 +184,8 @@ def weight_tags(urls: list[str], timeout_s: float = 2.0) -> dict[str, str | None
     pool = ThreadPoolExecutor(max_workers=max(1, len(urls)))
     futures = [pool.submit(tag, u) for u in urls]
     pool.shutdown(wait=False)
-    deadline = time.monotonic() + timeout_s + 5  # urllib's own timeout fires first; this is a backstop
-    tags = {}
-    for u, f in zip(urls, futures):
-        try:
-            tags[u] = f.result(timeout=max(0.0, deadline - time.monotonic()))
-        except FutureTimeout:
-            tags[u] = None
-    return tags
+    late = _collect(urls, futures, timeout_s)  # `tag` raises nothing: these are the backstop's timeouts
+    return {u: None if u in late else f.result() for u, f in zip(urls, futures)}
 
 
 def _call_all(

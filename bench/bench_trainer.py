@@ -295,6 +295,19 @@ def step(setting: dict) -> dict:
     return result
 
 
+# The GPU form's train-step settings over its base (new head, no checkpointing, 8k micro-batches, varlen),
+# the issue's goals first (a lease may end before the last).
+GPU_STEPS = {
+    "new_head_ckpt_on_16k": {"checkpointing": True, "micro_batch": 16384},
+    "new_head": {},
+    "old_head_ckpt_on": {"head": "old", "checkpointing": True},  # the trainer before issue 38
+    "new_head_compile_on": {"compile": True},  # beside new_head: compile off
+    "new_head_ckpt_on_16k_compile_on": {"checkpointing": True, "micro_batch": 16384, "compile": True},
+    "new_head_per_sequence_sdpa": {"varlen": False},
+    "new_head_ckpt_on": {"checkpointing": True},
+}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu (the small form) or cuda (the presets)")
@@ -302,7 +315,8 @@ def main() -> None:
     p.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak (TFLOP/s)")
     p.add_argument("--repeats", type=int, default=2, help="timed steps per setting (median), after a warm-up")
     p.add_argument("--out", default=None, help="JSON results file to merge into")
-    p.add_argument("--only", nargs="+", help="GPU form: these train-step settings (names as in the results)")
+    p.add_argument("--only", nargs="+", choices=GPU_STEPS, metavar="SETTING",
+                   help=f"GPU form: these train-step settings only, of {', '.join(GPU_STEPS)}")  # fmt: skip
     p.add_argument(
         "--profile", action="store_true", help="one more step of each setting under torch.profiler"
     )
@@ -343,20 +357,9 @@ def main() -> None:
         runs = {}
         for preset in args.presets:
             s = {**base, **batch, "preset": preset, "micro_batch": 8192}
-            settings = {  # the issue's goals first (a lease may end before the last)
-                "new_head_ckpt_on_16k": {"checkpointing": True, "micro_batch": 16384},
-                "new_head": {},
-                "old_head_ckpt_on": {"head": "old", "checkpointing": True},  # the trainer before issue 38
-                "new_head_compile_on": {"compile": True},  # beside new_head: compile off
-                "new_head_ckpt_on_16k_compile_on": {
-                    "checkpointing": True,
-                    "micro_batch": 16384,
-                    "compile": True,
-                },
-                "new_head_per_sequence_sdpa": {"varlen": False},
-                "new_head_ckpt_on": {"checkpointing": True},
+            runs[preset] = {
+                k: step({**s, **v}) for k, v in GPU_STEPS.items() if k in (args.only or GPU_STEPS)
             }
-            runs[preset] = {k: step({**s, **v}) for k, v in settings.items() if k in (args.only or settings)}
     else:
         batch = {"sequences": 8, "min_len": 150, "max_len": 600}
         s = {**base, **batch, "preset": "cpu-small", "micro_batch": 2048}
