@@ -117,7 +117,7 @@ demo: install demo-model
 
 # Every figure is a ratio of two things measured in the same run (the machine may be shared); all of them
 # land in bench/results.json, one key per figure with its command and settings. Aimed at ≤ 15 min on 2 CPU
-# cores: figure 1 (bench_async.py) with one repeat of its 9 training runs (~8 min; the 3 repeats took 24),
+# cores: figure 1 (bench_async.py) with one repeat of its 9 training runs (~4 min; the 3 repeats took 11:38),
 # the other figures 3-6 min.
 bench: install tiny-model
 	$(PY) bench/bench_async.py --out bench/results.json
@@ -135,7 +135,7 @@ bench: install tiny-model
 bench-gpu: install
 	$(PY) bench/bench_trainer.py --device cuda --profile --out bench/results.json
 
-# Figure 1 as README's table has it: medians of 3 repeats (~25 min quiet), then the table.
+# Figure 1 as README's table has it: medians of 3 repeats (11:38), then the table.
 bench-full: install tiny-model
 	$(PY) bench/bench_async.py --repeats 3 --out bench/results.json
 	$(PY) bench/table.py bench/results.json

@@ -395,6 +395,11 @@ RolloutFn = Callable[[RolloutContext, object, list[int]], Awaitable[RolloutCompl
 # ---------------------------------------------------------------------------------------------------
 # THE WORKER: groups, admission by staleness, a bounded queue to the trainer
 # ---------------------------------------------------------------------------------------------------
+# The admission loop wakes when a group finishes, when the trainer bumps the version or discards a
+# group, and at the latest after this long (for the in-flight accounting: `request_seconds`).
+ADMISSION_BACKSTOP_S = 0.1
+
+
 @dataclass
 class WorkerStats:
     groups_started: int = 0
@@ -465,6 +470,7 @@ class AsyncRolloutWorker:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_thread, name="rollout-worker", daemon=True)
         self._main: asyncio.Task | None = None
+        self._wake = asyncio.Event()  # set from the trainer's thread (through the loop), read by the loop
         self._rows_exhausted = False
 
     # --- called from the trainer thread ---------------------------------------------------------------
@@ -472,10 +478,22 @@ class AsyncRolloutWorker:
         self._thread.start()
 
     def set_version(self, version: int) -> None:
-        self.version = version
+        if version != self.version:
+            self.version = version
+            self._nudge()
 
     def discard(self, n: int = 1) -> None:
         self.stats.groups_discarded += n
+        self._nudge()
+
+    def _nudge(self) -> None:
+        """Wake the admission loop now: a version bump or a discard frees admission, and waiting for the
+        loop's next wake (a group finishing, or its 0.1 s backstop) held every new group back by ~0.05 s
+        a step, the trainer's step being ~0.3-0.5 s on the CPU bench."""
+        try:
+            self._loop.call_soon_threadsafe(self._wake.set)
+        except RuntimeError:  # the loop is closed: nothing left to admit
+            pass
 
     @property
     def alive(self) -> bool:
@@ -538,7 +556,7 @@ class AsyncRolloutWorker:
         t_last = time.monotonic()
         try:
             while not self._stopping.is_set():
-                now = time.monotonic()  # this loop wakes at least every 0.1 s
+                now = time.monotonic()  # this loop wakes at least every ADMISSION_BACKSTOP_S
                 self.stats.request_seconds += sum(self.client.inflight.values()) * (now - t_last)
                 t_last = now
                 while not self._rows_exhausted and self._admissible():
@@ -551,10 +569,16 @@ class AsyncRolloutWorker:
                     row = {"_index": self.stats.groups_started, **row}
                     self.stats.groups_started += 1
                     tasks.add(asyncio.create_task(self._group(row, self.version)))
-                if not tasks:
-                    await asyncio.sleep(0.02)  # waiting for the trainer to advance the version
-                    continue
-                done, tasks = await asyncio.wait(tasks, timeout=0.1, return_when=asyncio.FIRST_COMPLETED)
+                self._wake.clear()  # admission above saw every version and discard set before this
+                woken = asyncio.ensure_future(self._wake.wait())
+                try:
+                    done, _ = await asyncio.wait(
+                        {*tasks, woken}, timeout=ADMISSION_BACKSTOP_S, return_when=asyncio.FIRST_COMPLETED
+                    )
+                finally:
+                    woken.cancel()
+                done.discard(woken)
+                tasks -= done
                 for task in done:
                     group = task.result()
                     if group is None:

@@ -2,11 +2,11 @@
 with rollouts beside it; length bias on a heavy-tailed workload. One vLLM server, every run one after
 the other, `--repeats` runs per setting, medians.
 
-    python bench/bench_async.py [--staleness 0 1 2 4] [--repeats 1] [--steps 8] [--out bench/results.json]
+    python bench/bench_async.py [--staleness 0 1 2 4] [--repeats 1] [--steps 12] [--out bench/results.json]
     python bench/bench_async.py --repeats 3 --out bench/results.json   # README's figure 1 (`make bench-full`)
     python bench/bench_async.py --staleness 0 1 --steps 3 --skip 1      # a smoke run, ~3 min
 
-One repeat (the default, `make bench`: 9 runs, ~8 min on 2 cores) gives every figure; three (~25 min)
+One repeat (the default, `make bench`: 9 runs, ~4 min on 2 cores) gives every figure; three (11:38)
 give medians and a spread of seconds per group, which README's table is built from.
 
 Cores: the server (every process of it, and its OMP threads) runs on --server-core, the trainer
@@ -56,12 +56,16 @@ from vllm_server import start_vllm_server  # noqa: E402
 
 
 def run_trainer(url: str, out_dir: Path, args, staleness: int, prompts: int, steps: int, *extra: str) -> list:
-    """One training run; its steady-state per-step metrics lines (after --skip steps)."""
+    """One training run of `steps` steady-state steps; their per-step metrics lines. Left out before them:
+    --skip steps, and at staleness s at least s + 1: those batches were all admitted at once, at version
+    0, and generated side by side, a burst the steady state never sees again (with 2 left out of 8 steps,
+    s = 4 measured 0.16 s a group, the steady state 0.21-0.23)."""
+    skip = max(args.skip, staleness + 1)
     script = "bench/heavy_tail_env.py" if "heavy_tail" in extra else "train_async_grpo.py"
     cmd = [
         "taskset", "-c", args.trainer_core, sys.executable, str(REPO / script),
         "--model", args.model, "--vllm-url", url, "--output-dir", str(out_dir),
-        "--max-staleness", str(staleness), "--max-steps", str(steps), "--seed", "0",
+        "--max-staleness", str(staleness), "--max-steps", str(skip + steps), "--seed", "0",
         "--prompts-per-step", str(prompts), "--num-generations", str(args.num_generations),
         "--max-turns", str(args.max_turns), "--max-context", str(args.max_context), "--lr", str(args.lr),
         "--save-every", "100000", "--log-completions-every", "100000", "--keep-zero-variance",
@@ -71,7 +75,7 @@ def run_trainer(url: str, out_dir: Path, args, staleness: int, prompts: int, ste
     subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL)
     lines = (out_dir / "metrics.jsonl").read_text().splitlines()
     steps_m = [m for m in map(json.loads, lines) if "perf/step_s" in m]  # not eval-only lines
-    return steps_m[min(args.skip, len(steps_m) - 1) :]
+    return steps_m[min(skip, len(steps_m) - 1) :]
 
 
 def summarize(steps: list[dict], prompts: int) -> dict:
@@ -112,8 +116,8 @@ def main() -> None:
     )
     p.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 4], help="settings (first: 0)")
     p.add_argument("--repeats", type=int, default=1, help="runs per setting (medians; README's table: 3)")
-    p.add_argument("--steps", type=int, default=8, help="optimizer steps per run at the base batch")
-    p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of every figure")
+    p.add_argument("--steps", type=int, default=12, help="measured optimizer steps per run at the base batch")
+    p.add_argument("--skip", type=int, default=2, help="warm-up steps before them (at staleness s: ≥ s + 1)")
     p.add_argument("--prompts-per-step", type=int, default=2, help="groups per step")
     p.add_argument("--num-generations", type=int, default=4, help="completions per group")
     p.add_argument("--max-turns", type=int, default=2, help="model turns per completion")
@@ -142,7 +146,7 @@ def main() -> None:
                 )
                 print(f"repeat {rep} staleness {s}: {runs[s][-1]}", flush=True)
                 if s > 0:  # synchronous at the same concurrency: (s + 1) × the groups per step
-                    steps = max(args.skip + 2, args.steps // (s + 1))
+                    steps = max(3, args.steps // (s + 1))
                     d = tmp / f"r{rep}-sync{s}"
                     same_conc.setdefault(s, []).append(
                         summarize(run_trainer(server.url, d, args, 0, P * (s + 1), steps), P * (s + 1))
@@ -178,9 +182,10 @@ def main() -> None:
             "efficiency": round(overlap / bound, 2), "generating_async_over_sync": generating,
         }  # fmt: skip
     settings = (
-        f"{args.model}, retool, {args.steps} steps x {P} prompts x {args.num_generations} generations, "
+        f"{args.model}, retool, {P} prompts x {args.num_generations} generations a step, "
         f"--max-turns {args.max_turns}, --max-context {args.max_context}, --keep-zero-variance; "
-        f"steady state after {args.skip} steps; medians of {args.repeats} repeats; vLLM threads and "
+        f"{args.steps} steady steps after {args.skip} (at staleness s: s + 1); "
+        f"medians of {args.repeats} repeats; vLLM threads and "
         f"--rollout-cpus on core {args.server_core}, trainer `taskset -c {args.trainer_core}` "
         f"OMP_NUM_THREADS=1; one server, runs one after the other"
     )

@@ -31,7 +31,9 @@ def rows(r: dict) -> list[tuple[str, str, str, str]]:
             "bound = (gen + train) / max(gen, train) of that sync run: it takes async generation to run as "
             "fast as the sync run's does while it generates; at staleness s at most (s + 1) x the groups "
             "per step are live and the batch being trained is not generating, so fewer requests are in "
-            "flight and the one-core server's tok/s follows them (their ratio is the efficiency)",
+            "flight; and each sync pauses the busy server (once a step, the sync run an idle one once per "
+            "s + 1 steps) and recomputes its in-flight KV. The async server's tok/s over the sync run's "
+            "is the efficiency: every staleness is generation-bound in the steady state",
             a["command"],
         ))  # fmt: skip
         out.append((

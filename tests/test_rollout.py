@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import rollout
 from chat_format import ChatTemplate, ChatTemplateError
 from envs import load_env
 from envs.confine import ROLLOUT_CPUS_ENV, parse_cpus
@@ -759,6 +760,31 @@ def test_admission_counts_versions_of_sync_every_steps():
     assert admit_all() == 18
     worker.discard(2)  # dropped or equal-reward groups are replaced
     assert admit_all() == 20
+
+
+def test_a_version_bump_admits_the_next_groups_at_once(tokenizer, monkeypatch):
+    """The trainer's set_version wakes admission itself: here no group ever finishes (the server never
+    answers) and the loop's backstop is a minute, so only the wake can admit the next version's groups."""
+    monkeypatch.setattr(rollout, "ADMISSION_BACKSTOP_S", 60.0)
+    fake = FakeVLLM(["hang"])
+    worker, loop = start_worker_on(fake, tokenizer, request_timeout_s=600)
+
+    def started_within(n: int, seconds: float) -> int:
+        deadline = time.monotonic() + seconds
+        while worker.stats.groups_started < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return worker.stats.groups_started
+
+    try:
+        assert started_within(2, 20) == 2  # (version 0 + 1 + staleness 0) x 2 groups per version
+        time.sleep(0.5)  # the loop is waiting now, on hung requests and its backstop
+        worker.set_version(1)
+        assert started_within(4, 10) == 4
+        worker.discard(1)  # a discarded group frees a place the same way
+        assert started_within(5, 10) == 5
+    finally:
+        worker.stop()
+        asyncio.run_coroutine_threadsafe(fake.stop(), loop).result(5)
 
 
 def test_stop_returns_fast_when_servers_are_gone_for_good(tokenizer):
