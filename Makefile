@@ -116,9 +116,9 @@ demo: install demo-model
 	$(PY) scripts/demo.py
 
 # Every figure is a ratio of two things measured in the same run (the machine may be shared); all of them
-# land in bench/results.json, one key per figure with its command and settings. Aimed at ≤ 15 min on 2 CPU
-# cores: figure 1 (bench_async.py) with one repeat of its 9 training runs (~4 min; the 3 repeats took 11:38),
-# the other figures 3-6 min.
+# land in bench/results.json, one key per figure with its command and settings. 20:22 on 2 CPU cores at
+# fe234a1: figure 1 (bench_async.py, one repeat of its 9 training runs) 4:09 (the 3 repeats took 11:38),
+# figure 10's CPU form (bench_trainer.py) 8:45, the other seven 0:22-1:54 each.
 bench: install tiny-model
 	$(PY) bench/bench_async.py --out bench/results.json
 	$(PY) bench/bench_rollout.py --out bench/results.json
