@@ -488,8 +488,8 @@ class AsyncRolloutWorker:
 
     def _nudge(self) -> None:
         """Wake the admission loop now: a version bump or a discard frees admission, and waiting for the
-        loop's next wake (a group finishing, or its 0.1 s backstop) held the version's new groups back by
-        up to 0.1 s, against a trainer step of 0.3-0.5 s on the CPU bench."""
+        loop's next wake (a group finishing, or ADMISSION_BACKSTOP_S) held the version's new groups back
+        by up to the backstop, against a trainer step of 0.3-0.5 s on the CPU bench."""
         try:
             self._loop.call_soon_threadsafe(self._wake.set)
         except RuntimeError:  # the loop is closed: nothing left to admit

@@ -233,7 +233,8 @@ def _child_main(builds, parent_pid: int, groups, reports, shared, stop_timeout_s
             applied_discards = discarded.value
         exhausted = worker.exhausted  # before draining: every group it counts delivered is queued by now
         try:
-            while True:  # 5 ms: how late a version bump reaches admission (at 20 ms, ~3 % of a bench step)
+            # The timeout bounds how late a version bump reaches admission (a bench step: 0.4-0.5 s).
+            while True:
                 groups.put(worker.queue.get(timeout=0.005))
                 sent += 1
         except queue.Empty:
