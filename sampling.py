@@ -91,10 +91,15 @@ def processed_logits(
     scaled = logits.to(at_least_fp32(logits.dtype)) / sampling.temperature
     if not sampling.truncates:
         return scaled
-    threshold = keep_threshold(scaled.detach(), sampling)
+    return scaled.masked_fill(scaled < _threshold(scaled.detach(), sampling, keep)[:, None], float("-inf"))
+
+
+def _threshold(scaled: torch.Tensor, sampling: Sampling, keep: torch.Tensor | None) -> torch.Tensor:
+    """keep_threshold, lowered where needed so that each row's `keep` token stays in its kept set."""
+    threshold = keep_threshold(scaled, sampling)
     if keep is not None:
-        threshold = torch.minimum(threshold, scaled.detach().gather(1, keep[:, None])[:, 0])
-    return scaled.masked_fill(scaled < threshold[:, None], float("-inf"))
+        threshold = torch.minimum(threshold, scaled.gather(1, keep[:, None])[:, 0])
+    return threshold
 
 
 def token_logprobs_and_entropy(
@@ -109,23 +114,76 @@ def token_logprobs_and_entropy(
     set, and a −inf logprob on a trained token is a NaN step. Kept, it adds that edge token's mass (and
     that of any token between it and the threshold) to the row's normalizer. Prompt and tool tokens
     (masked) get finite logprobs this way too; the loss ignores whatever is there anyway."""
-    return _logprobs_and_normalizer(logits, targets, sampling, with_entropy)[:2]
+    return _logprobs_and_normalizer(logits, targets, sampling, with_entropy, False, _row_statistics)[:2]
 
 
-def _logprobs_and_normalizer(logits, targets, sampling: Sampling, with_entropy: bool):
-    """token_logprobs_and_entropy, and per row the log-normalizer and the processed logits (−inf off the
-    kept set): what the streamed head's backward needs to rebuild the distribution a slice of the
-    vocabulary at a time."""
-    scaled = processed_logits(logits, sampling, keep=targets)
+def _logprobs_and_normalizer(
+    logits, targets, sampling: Sampling, with_entropy: bool, keep_bits: bool, statistics
+):
+    """token_logprobs_and_entropy, and per row the log-normalizer and (`keep_bits`) the kept set as
+    pack_bits' bits: what the streamed head's backward needs to rebuild the distribution a slice of the
+    vocabulary at a time. The truncation's threshold is found here (a sort, or top-k); the rest is
+    `statistics`: _row_statistics, or its compiled form (the head under --compile: compile_head)."""
+    temperature, threshold = sampling.temperature, None
+    if sampling.truncates:  # the threshold's sort reads the scaled logits, so they are made here, once
+        logits = logits.to(at_least_fp32(logits.dtype)) / temperature
+        temperature, threshold = 1.0, _threshold(logits.detach(), sampling, targets)  # x / 1.0 is x
+    return statistics(logits, targets, threshold, temperature, with_entropy, keep_bits)
+
+
+def _row_statistics(logits, targets, threshold, temperature: float, with_entropy: bool, keep_bits: bool):
+    """From a chunk of rows' logits (N, V) to per-row values: log π(target), the entropy (no grad) or
+    None, the log-normalizer, the kept set's bits or None. `threshold` (N,) or None: logits below it are
+    −inf (off the kept set). Elementwise work and row reductions only: eager, in place where it can be
+    (a few chunk-sized temporaries); compiled, inductor fuses it into a pass or two over the chunk.
+    Differentiable in `logits`."""
+    scaled = logits.to(at_least_fp32(logits.dtype)) / temperature
+    if threshold is not None:
+        scaled = scaled.masked_fill(scaled < threshold[:, None], float("-inf"))
     logz = torch.logsumexp(scaled, dim=-1)  # (N,)
     logprobs = scaled.gather(-1, targets[:, None]).squeeze(-1) - logz
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():  # two (N, V) temporaries: the head runs this on chunks of a 150k vocabulary
+    entropy = kept = None
+    with torch.no_grad():
+        if with_entropy:
             probs = (scaled - logz[:, None]).exp_()  # 0 off the kept set
             # 0 · (−inf) is nan: truncated tokens contribute nothing
             entropy = logz - probs.mul_(scaled.masked_fill(probs == 0, 0.0)).sum(-1)
-    return logprobs, entropy, logz.detach(), scaled.detach()
+        if keep_bits:
+            kept = pack_bits(scaled != float("-inf"))
+    return logprobs, entropy, logz.detach(), kept
+
+
+def _slice_gradient(logits, logz, g, local_targets, kept, temperature: float, out_dtype: torch.dtype):
+    """d loss / d logits of one slice of the vocabulary (N, c) over every row: g (1[j = t] − π_j) /
+    temperature, π_j = exp(logit_j / temperature − logz) on the kept set (`kept`: the slice's bits, or
+    None), 0 off it; `local_targets` each row's target minus the slice's start (outside [0, c): none
+    here). In `out_dtype`, what autocast's matmul backward sees. `logits`, the caller's temporary, is
+    overwritten where it is already fp32 (a new 128 MiB tensor a slice costs its page faults on CPU)."""
+    grad = logits.to(at_least_fp32(logits.dtype)).div_(temperature)
+    if kept is not None:
+        grad.masked_fill_(~unpack_bits(kept, logits.shape[1]), float("-inf"))
+    grad.sub_(logz[:, None]).exp_().mul_(-g[:, None])  # −g π_j: 0 off the kept set
+    if torch.compiler.is_compiling():  # + g at each row's target: a compare, fused into the one pass
+        columns = torch.arange(logits.shape[1], device=logits.device)
+        grad = grad + torch.where(columns[None, :] == local_targets[:, None], g[:, None], 0.0)
+    else:  # eager: one write per row, in place (the compare would make two chunk-sized temporaries)
+        inside = (local_targets >= 0) & (local_targets < logits.shape[1])
+        grad.scatter_add_(1, local_targets.clamp(0, logits.shape[1] - 1)[:, None], (g * inside)[:, None])
+    return grad.div_(temperature).to(out_dtype)
+
+
+# The head's elementwise functions as the head calls them: eager, or compiled (compile_head).
+_HEAD = {"row_statistics": _row_statistics, "slice_gradient": _slice_gradient}
+
+
+def compile_head(on: bool) -> None:
+    """The streamed head's elementwise work (_row_statistics, _slice_gradient) through torch.compile
+    (inductor, dynamic shapes: one graph for every chunk and slice size), or back to eager. Eager, each
+    op is a pass through memory over the chunk's logits (~15 in the forward, ~8 in the backward, most in
+    fp32); fused, one or two over the bf16 logits. The matmuls, the truncation's sort and the loops over
+    chunks stay eager. Called by trainer.compile_model under --compile."""
+    for name, fn in (("row_statistics", _row_statistics), ("slice_gradient", _slice_gradient)):
+        _HEAD[name] = torch.compile(fn, dynamic=True) if on else fn
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -173,14 +231,15 @@ class _StreamedHead(torch.autograd.Function):
         rows = max(1, chunk // vocab)
         for start in range(0, n, rows):
             end = start + rows
-            lp, ent, logz[start:end], scaled = _logprobs_and_normalizer(
-                head_logits(hidden[start:end], w, bf16), targets[start:end], sampling, with_entropy
-            )
+            lp, ent, logz[start:end], bits = _logprobs_and_normalizer(
+                head_logits(hidden[start:end], w, bf16), targets[start:end], sampling, with_entropy,
+                keep_bits, _HEAD["row_statistics"],
+            )  # fmt: skip
             logprobs[start:end] = lp
             if with_entropy:
                 entropy[start:end] = ent
             if kept is not None:
-                kept[start:end] = pack_bits(scaled != float("-inf"))
+                kept[start:end] = bits
         ctx.save_for_backward(hidden, weight, targets, logz, kept)
         ctx.sampling, ctx.bf16, ctx.chunk = sampling, bf16, chunk
         ctx.mark_non_differentiable(entropy)
@@ -193,41 +252,36 @@ class _StreamedHead(torch.autograd.Function):
         w = weight.to(torch.bfloat16) if bf16 else weight
         h = hidden.to(w.dtype)  # cast once: every slice's matmuls read all of it
         acc = at_least_fp32(weight.dtype)
-        g = grad_logprobs.to(acc)[:, None]  # (N, 1)
+        g = grad_logprobs.to(acc)
         grad_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)  # fp32 over slices
         grad_weight = torch.empty(weight.shape, dtype=acc, device=weight.device)
         vocab, cols = weight.shape[0], max(8, ctx.chunk // max(1, len(targets)) // 8 * 8)  # whole bytes
         for start in range(0, vocab, cols):
             end = min(start + cols, vocab)
-            scaled = head_logits(h, w[start:end], bf16).to(acc).div_(sampling.temperature)  # (N, c)
-            if kept is not None:
-                scaled.masked_fill_(
-                    ~unpack_bits(kept[:, start // 8 : -(-end // 8)], end - start), float("-inf")
-                )
-            grad = scaled.sub_(logz[:, None]).exp_().mul_(-g)  # −g π_j, in place: 0 off the kept set
-            local = targets - start  # + g at each row's target, where it falls in this slice
-            inside = ((local >= 0) & (local < end - start))[:, None]
-            grad.scatter_add_(1, local.clamp(0, end - start - 1)[:, None], g * inside)
-            grad = grad.div_(sampling.temperature).to(w.dtype)  # what autocast's matmul backward sees
+            grad = _HEAD["slice_gradient"](
+                head_logits(h, w[start:end], bf16), logz, g, targets - start,
+                None if kept is None else kept[:, start // 8 : -(-end // 8)], sampling.temperature, w.dtype,
+            )  # fmt: skip
             grad_hidden += grad @ w[start:end]
             grad_weight[start:end] = grad.T @ h
         return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None, None, None, None
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
-    """(N, V) bool → (N, ⌈V/8⌉) uint8, column j in bit j % 8 of byte j // 8."""
-    n, v = mask.shape
-    padded = torch.nn.functional.pad(mask, (0, -v % 8)).view(n, -1, 8).to(torch.uint8)
-    return (padded << _BIT_SHIFTS.to(mask.device)).sum(-1, dtype=torch.uint8)
+    """(N, V) bool → (N, ⌈V/8⌉) uint8, column j in bit j % 8 of byte j // 8. Eight strided reads OR-ed
+    together (and unpack_bits' eight masks stacked): written so, inductor fuses each into one pass (the
+    shift-and-sum over a trailing axis of 8 compiled 40x slower on CPU than eager, ~1.5x faster so)."""
+    padded = torch.nn.functional.pad(mask, (0, -mask.shape[1] % 8)).to(torch.uint8)
+    packed = padded[:, 0::8]
+    for bit in range(1, 8):
+        packed = packed | (padded[:, bit::8] << bit)
+    return packed
 
 
 def unpack_bits(packed: torch.Tensor, columns: int) -> torch.Tensor:
     """pack_bits' inverse: (N, B) uint8 → (N, columns) bool, columns ≤ 8 B."""
-    bits = (packed[:, :, None] >> _BIT_SHIFTS.to(packed.device)) & 1
-    return bits.view(len(packed), -1)[:, :columns].bool()
-
-
-_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+    bits = torch.stack([(packed & (1 << bit)) != 0 for bit in range(8)], dim=-1)
+    return bits.view(len(packed), -1)[:, :columns]
 
 
 def streamed_logprobs(

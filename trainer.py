@@ -23,7 +23,7 @@ from checkpoint import param_checksum, save_checkpoint
 from distributed import broadcast_message, gather_traced, load_sharded, rank_micro_batches, reduce_over_ranks
 from loss import grpo_loss
 from metrics import keep_traced
-from sampling import Sampling, rescore, token_logprobs
+from sampling import Sampling, compile_head, rescore, token_logprobs
 from weight_sync import WeightSyncer
 
 
@@ -85,7 +85,7 @@ def load_models(args: argparse.Namespace, ckpt: Path | None, device: torch.devic
             model.enable_input_require_grads()
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(f"gradient checkpointing: {'on' if on else 'off'} ({why})", flush=True)
-    compile_layers(getattr(args, "compile", "auto"), device, model, ref_model)  # before FSDP shards them
+    compile_model(getattr(args, "compile", "auto"), device, model, ref_model)  # before FSDP shards them
     if sharded:  # one whole model at a time on rank 0's host: the policy's, then the reference's
         model, full = load_sharded(model, full, device, args.compute_dtype), None
         if ref_model is not None:
@@ -146,26 +146,30 @@ def free_memory(device: torch.device, taken_later: float = 0.0) -> int | None:
     return int(kib[0] * 1024 - taken_later) if kib else None
 
 
-def compile_layers(setting: str, device: torch.device, *models) -> str:
-    """--compile: each decoder layer's forward through torch.compile (inductor), in every model given (None:
-    skipped); returns the start-up line, printed on rank 0. "auto": on where the bench measured it paying:
-    on CUDA (figure 10 on an H200, 1.5B shape, 8k-token micro-batches: 1.21x the step; the first step
-    waits ~20 s more for inductor), not on CPU (0.91-1.03x across runs, and ~20 s more for the first step;
-    docs/trainer.md). Per layer, not the whole model: all layers share one set of graphs, and what sits
+def compile_model(setting: str, device: torch.device, *models) -> str:
+    """--compile: each decoder layer's forward, in every model given (None: skipped), and the streamed
+    head's elementwise work (sampling.compile_head) through torch.compile (inductor); returns the
+    start-up line, printed on rank 0. "auto": on for CUDA (figure 10 on an H200, 1.5B shape, 8k-token
+    micro-batches: 1.21x the step with the layers alone compiled), off on CPU: figure 10's CPU step at
+    the real vocabulary is 1.5x faster compiled (the head's fusion), but the first step waits ~20 s
+    for inductor, more than a short CPU run (the tests, the demo's 564-token vocabulary) gets back
+    (docs/trainer.md). Per layer, not the whole model: all layers share one set of graphs, and what sits
     between them (checkpointing's recompute, FSDP2's gathers, transformers' output hooks) stays eager:
     only `forward` is compiled, so hooks, parameter names and checkpoints are unchanged, and FSDP2 shards
     the layers afterwards (torchtitan's order). The packed attention is left out of the graph
     (torch.compiler.disable; per_sequence_sdpa loops over the row's sequences, varlen is one kernel
     already), and its host-side kwargs go around the graph (_around_the_graph). What is compiled is the
     norms, projections, rotary, SwiGLU and residuals, with dynamic=True: one graph for every micro-batch
-    (tests/test_trainer_perf.py counts the compiles, and compares the step with eager's)."""
+    (tests/test_trainer_perf.py counts the compiles, and compares the step with eager's); in the head,
+    each chunk's upcast, temperature, truncation mask, log-normalizer, entropy and kept bits, and each
+    vocabulary slice's softmax gradient: a pass or two over the chunk's logits instead of ~20."""
     on = setting == "on" or (setting == "auto" and device.type == "cuda")
     if setting != "auto":
         why = f"--compile {setting}"
     elif on:
-        why = "auto: 1.21x the step on CUDA in make bench-gpu; --compile off to skip inductor's ~20 s"
+        why = "auto: on CUDA, 1.21x the step in make bench-gpu; --compile off to skip inductor's ~20 s"
     else:
-        why = f"auto: no faster on {device.type}"
+        why = f"auto: off on {device.type}, where inductor's ~20 s at start-up outweighs a short run's gain"
     if on:
         for model in (m for m in models if m is not None):
             name = model.config._attn_implementation
@@ -174,7 +178,8 @@ def compile_layers(setting: str, device: torch.device, *models) -> str:
             for layer in model.modules():
                 if isinstance(layer, GradientCheckpointingLayer):  # transformers' decoder layers
                     layer.forward = _around_the_graph(torch.compile(layer.forward, dynamic=True))
-    line = f"compiled decoder layers: {'on' if on else 'off'} ({why})"
+    compile_head(on)
+    line = f"compiled decoder layers and logprob head: {'on' if on else 'off'} ({why})"
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(line, flush=True)
     return line

@@ -16,7 +16,7 @@ depend on it; its FLOPs do) and the real one on GPU.
 Train tokens/s: trainer.train_step on GRPO-shaped batches of random sequences (16-token prompts, the rest
 trained) through a Qwen2-shaped model with random weights and tied embeddings, in a subprocess per
 setting (so each has its own peak memory), a new batch every step (new packings, as in training): old
-head / new head / new head with --compile on (trainer.compile_layers; its first step's seconds, the
+head / new head / new head with --compile on (trainer.compile_model; its first step's seconds, the
 graphs inductor made and the recompiles after the first step, with inductor's cache empty; on CPU also
 compile off and on side by side in one process, side_by_side_child); on GPU also
 gradient checkpointing on / off, per-sequence sdpa / varlen attention and 8k / 16k micro-batches. MFU:
@@ -40,6 +40,7 @@ from torch._dynamo.utils import counters, guard_failures
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file from anywhere
+import sampling  # noqa: E402
 import train_async_grpo as script  # noqa: E402
 import trainer  # noqa: E402
 from bench.bench_packing import random_sequences  # noqa: E402
@@ -184,13 +185,14 @@ def side_by_side_child(setting: dict) -> dict:
         torch.manual_seed(0)
         model = qwen2_model(setting["preset"], device, attn)
         if compiled:
-            trainer.compile_layers("on", device, model)
+            trainer.compile_model("on", device, model)
         runs.append((model, *script.make_optimizer(model, args)))
     n, lo, hi = setting["sequences"], setting["min_len"], setting["max_len"]
     seconds: list[list[float]] = [[], []]
     for rep in range(setting["repeats"] + 1):  # the first pair warms up (and compiles)
         seqs = random_sequences(n, lo, hi, VOCAB, seed=rep)
         for which in (0, 1) if rep % 2 else (1, 0):
+            sampling.compile_head(bool(which))  # the head's switch is the process's: set per step
             t0 = time.perf_counter()
             model, optimizer, scheduler = runs[which]
             trainer.train_step(model, None, optimizer, scheduler, seqs, args, 0, 1, device)
@@ -213,7 +215,7 @@ def step_child(setting: dict) -> dict:
     if setting["checkpointing"]:
         model.gradient_checkpointing_enable()
     if setting.get("compile"):
-        trainer.compile_layers("on", device, model)
+        trainer.compile_model("on", device, model)
     args = script.parser.parse_args(["--model", "m", "--micro-batch-tokens", str(setting["micro_batch"])])
     args.compute_dtype = "bf16" if bf16 else "fp32"
     optimizer, scheduler = script.make_optimizer(model, args)

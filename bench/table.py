@@ -174,11 +174,14 @@ def rows(r: dict) -> list[tuple[str, str, str, str]]:
         head, steps = t["head_extra_gib"], t["steps"]["cpu-small"]
         old, new = steps["old_head"], steps["new_head"]
         speedup = new["tok_s"] / old["tok_s"]
+        compiled, pairs = steps["new_head_compile_on"], steps["compile_off_over_on_side_by_side"]
         out.append((
-            "10. logprob head's extra memory at 16k tokens: streamed / full logits; CPU step tok/s",
+            "10. logprob head's extra memory at 16k tokens: streamed / full logits; CPU step tok/s; "
+            "--compile on / off",
             f"{head['new']['16384']['extra_gib']} / {head['old']['16384']['extra_gib']} GiB (full: "
             f"extrapolated from 1k, 2k); {speedup:.2f}x ({new['tok_s']} / {old['tok_s']} tok/s), "
-            f"peak RSS {new['peak_gib']} / {old['peak_gib']} GiB",
+            f"peak RSS {new['peak_gib']} / {old['peak_gib']} GiB; compiled "
+            f"{compiled['tok_s'] / new['tok_s']:.2f}x in its own process, {pairs['speedup']}x side by side",
             "the head's chunk (2^25 fp32 logits) at hidden 64; the step: the head is most of its FLOPs",
             t["command"],
         ))  # fmt: skip

@@ -159,6 +159,26 @@ def model_dir(name: str) -> Path:
     return path
 
 
+@pytest.fixture
+def head_restored(monkeypatch) -> None:
+    """trainer.compile_model and sampling.compile_head set the head's functions for the whole process
+    (sampling._HEAD): put back after the test."""
+    import sampling
+
+    for name, fn in list(sampling._HEAD.items()):
+        monkeypatch.setitem(sampling._HEAD, name, fn)
+
+
+# compiled: inductor's first compile of each function takes seconds
+@pytest.fixture(params=[False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
+def head_compiled(request, head_restored) -> bool:
+    """The streamed head eager, then compiled as --compile makes it (sampling.compile_head)."""
+    import sampling
+
+    sampling.compile_head(request.param)
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     """Random weights: the foundation model."""

@@ -245,11 +245,13 @@ def test_real_nccl_broadcast_through_the_syncer_to_a_side_stream_reader(tmp_path
 
 
 @pytest.mark.parametrize("sampling", [Sampling(0.8), Sampling(0.9, top_p=0.8, top_k=200)], ids=str)
-def test_streamed_head_in_bf16_is_as_close_to_float64_as_the_full_logits_path(sampling):
+def test_streamed_head_in_bf16_is_as_close_to_float64_as_the_full_logits_path(sampling, head_compiled):
     """sampling.streamed_logprobs on CUDA, bf16, at Qwen's vocabulary: its row-chunked forward and its
     backward by vocabulary slices (other matmul shapes than the forward's: the kept set comes from the
     forward's bits, not from re-rounded logits) against the (N, V) bf16 path it replaced, both measured
-    against float64: logprobs and both gradients within 4x the full path's own distance."""
+    against float64: logprobs and both gradients within 4x the full path's own distance. Eager, and
+    compiled as --compile runs it (inductor's Triton kernels; the backward's on autograd's device
+    thread)."""
     from sampling import head_logits, streamed_logprobs, token_logprobs_and_entropy
 
     cuda = torch.device("cuda")

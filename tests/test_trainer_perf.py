@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
+import sampling
 import train_async_grpo as script
 import trainer as T
 from batches import packed_attention
@@ -155,20 +156,25 @@ def test_the_trainer_says_what_it_chose_and_why(tiny_model, capsys):
 # ---------------------------------------------------------------------------------------------------
 # --compile: each decoder layer through torch.compile; the same step, one compile for every packing
 # ---------------------------------------------------------------------------------------------------
-def test_compile_auto_is_on_where_measured_to_pay_and_the_line_says_so(capsys):
+def test_compile_auto_is_on_where_measured_to_pay_and_the_line_says_so(capsys, head_restored):
     for setting, device, on, why in [
-        ("auto", "cpu", False, "auto: no faster on cpu"),
+        (
+            "auto",
+            "cpu",
+            False,
+            "auto: off on cpu, where inductor's ~20 s at start-up outweighs a short run's gain",
+        ),
         (
             "auto",
             "cuda",
             True,
-            "auto: 1.21x the step on CUDA in make bench-gpu; --compile off to skip inductor's ~20 s",
+            "auto: on CUDA, 1.21x the step in make bench-gpu; --compile off to skip inductor's ~20 s",
         ),
         ("on", "cpu", True, "--compile on"),
         ("off", "cuda", False, "--compile off"),
     ]:
-        line = T.compile_layers(setting, torch.device(device))  # no model: only the choice
-        assert line == f"compiled decoder layers: {'on' if on else 'off'} ({why})"
+        line = T.compile_model(setting, torch.device(device))  # no model: only the choice
+        assert line == f"compiled decoder layers and logprob head: {'on' if on else 'off'} ({why})"
         assert capsys.readouterr().out == line + "\n"
 
 
@@ -178,13 +184,13 @@ def _rms_norm_in_the_input_dtype(self, hidden: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.slow
-def test_compiled_layers_take_the_eager_step_and_compile_once(tiny_model, monkeypatch):
+def test_compiled_layers_take_the_eager_step_and_compile_once(tiny_model, monkeypatch, head_restored):
     """Three train steps on batches packed three ways (other row lengths, more sequences per row),
     in float64 (inductor's C++ kernels have it), eager against compiled with gradient checkpointing on
     (its recompute calls the compiled forward), SGD steps (linear in the gradient): the same weights to
     float64 rounding (~1e-16 per operation, reordered by inductor's fusions; 1e-10 is far above it and
     far below the float32 rounding of 1e-7), so a compiled graph that drops, adds or rounds anything
-    fails here. The compiles are
+    fails here (the logprob head's too: it is compiled with them). The compiles are
     counted: every graph is made by the first step, none by the two new packings (dynamic shapes; the
     attention, which loops over the row's host-side lengths, is kept out of the graph), and the layers
     share them (two layers, not twice the graphs of one)."""
@@ -208,7 +214,7 @@ def test_compiled_layers_take_the_eager_step_and_compile_once(tiny_model, monkey
         )
         if compiled:
             model.gradient_checkpointing_enable()
-            assert T.compile_layers("on", torch.device("cpu"), model).endswith("on (--compile on)")
+            assert T.compile_model("on", torch.device("cpu"), model).endswith("on (--compile on)")
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # linear in the gradient (AdamW is not)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
         graphs, recompiles = [], []
@@ -225,4 +231,6 @@ def test_compiled_layers_take_the_eager_step_and_compile_once(tiny_model, monkey
     print(f"compiled graphs after each step: {graphs}, recompiles: {recompiles}")
     assert recompiles[0] == recompiles[1] == recompiles[2], (recompiles, dict(guard_failures))
     assert graphs[0] > 0 and graphs[0] == graphs[1] == graphs[2], graphs  # none for a new packing
-    assert graphs[0] <= 8, graphs  # one layer's pieces (around the attention), shared by both layers
+    # one layer's pieces (around the attention), shared by both layers, and the head's two
+    assert graphs[0] <= 8, graphs
+    assert sampling._HEAD["slice_gradient"] is not sampling._slice_gradient  # the head ran compiled
