@@ -162,8 +162,8 @@ parser.add_argument("--gradient-checkpointing", choices=["auto", "on", "off"], d
                     help="recompute activations in backward; auto: on only when a micro-batch's would not "
                          "fit in free memory (trainer.choose_checkpointing; the start-up line says why)")
 parser.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
-                    help="torch.compile each decoder layer (trainer.compile_model); auto: off until "
-                         "measured to pay")
+                    help="torch.compile each decoder layer and the logprob head's elementwise work "
+                         "(trainer.compile_model); auto: on CUDA, off on CPU (inductor's ~20 s at start-up)")
 parser.add_argument("--sync-every", type=int, default=1, help="weight sync every N steps (a model version)")
 parser.add_argument("--fidelity-every", type=int, default=1,
                     help="after every N-th sync, re-score each server's probe with new weights (0: never)")
