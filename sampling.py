@@ -137,7 +137,11 @@ def _row_statistics(logits, targets, threshold, temperature: float, with_entropy
     −inf (off the kept set). Elementwise work and row reductions only: eager, in place where it can be
     (a few chunk-sized temporaries); compiled, inductor fuses it into a pass or two over the chunk.
     Differentiable in `logits`."""
-    scaled = logits.to(at_least_fp32(logits.dtype)) / temperature
+    scaled = logits.to(at_least_fp32(logits.dtype))
+    if (
+        temperature != 1.0
+    ):  # x / 1.0 is x: no pass (eager: a chunk copy) for it, nor for logits scaled already
+        scaled = scaled / temperature
     if threshold is not None:
         scaled = scaled.masked_fill(scaled < threshold[:, None], float("-inf"))
     logz = torch.logsumexp(scaled, dim=-1)  # (N,)
