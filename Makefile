@@ -131,9 +131,11 @@ bench: install tiny-model
 	$(PY) bench/bench_openmp.py --out bench/results.json
 	$(PY) bench/table.py bench/results.json  # the README's table
 
-# Figure 10 on a CUDA GPU: the trainer's step at Qwen2.5 0.5B/1.5B/3B shapes (docs/trainer.md).
-bench-gpu: install
-	$(PY) bench/bench_trainer.py --device cuda --profile --out bench/results.json
+# Figure 10 on a CUDA GPU: the trainer's step at Qwen2.5 0.5B/1.5B/3B shapes (docs/trainer.md). torch and
+# transformers only (random weights, no vLLM): no install step, like gpu-check, so it runs on a GPU box
+# that cannot reach PyPI, with the .venv if there is one, else python3.
+bench-gpu:
+	$(if $(wildcard $(PY)),$(PY),python3) bench/bench_trainer.py --device cuda --profile --out bench/results.json
 
 # Figure 1 as README's table has it: medians of 3 repeats (11:38), then the table.
 bench-full: install tiny-model

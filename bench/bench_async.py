@@ -42,6 +42,7 @@ Each run starts by pushing the base weights into the server, so every run starts
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -204,6 +205,7 @@ def main() -> None:
     print(f"bench_async: {time.monotonic() - t0:.0f} s", flush=True)
     if args.out:
         merge_results(args.out, results)
+    shutil.rmtree(tmp, ignore_errors=True)  # each trainer run's output dir: ~0.1 GB a run
 
 
 if __name__ == "__main__":
