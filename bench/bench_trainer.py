@@ -312,8 +312,16 @@ GPU_STEPS = {
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cpu", help="cpu (the small form) or cuda (the presets)")
-    p.add_argument("--presets", nargs="+", default=["0.5B", "1.5B", "3B"], help="GPU form's model shapes")
+    p.add_argument(
+        "--device", default="cpu", choices=["cpu", "cuda"], help="cpu (the small form) or cuda (the presets)"
+    )
+    p.add_argument(
+        "--presets",
+        nargs="+",
+        default=["0.5B", "1.5B", "3B"],
+        choices=list(PRESETS),
+        help="GPU form's model shapes",
+    )
     p.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak (TFLOP/s)")
     p.add_argument("--repeats", type=int, default=2, help="timed steps per setting (median), after a warm-up")
     p.add_argument("--out", default=None, help="JSON results file to merge into")
@@ -337,6 +345,11 @@ def main() -> None:
         return
 
     gpu = args.device == "cuda"
+    if gpu and not torch.cuda.is_available():
+        p.error(
+            f"--device cuda: torch {torch.__version__} sees no CUDA device here; "
+            "the CPU form is `python bench/bench_trainer.py` (make bench)"
+        )
     result: dict = {"device": torch.cuda.get_device_name() if gpu else "cpu (1 thread)"}
     # the head alone
     hidden = 1536 if gpu else 64
