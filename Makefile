@@ -129,7 +129,7 @@ bench: install tiny-model
 	$(PY) bench/bench_trainer.py --out bench/results.json
 	$(PY) bench/bench_fidelity.py --out bench/results.json
 	$(PY) bench/bench_openmp.py --out bench/results.json
-	$(PY) bench/table.py bench/results.json  # the README's table
+	$(PY) bench/table.py bench/results.json --docs docs/benchmarks.md  # its table of figures
 
 # Figure 10 on a CUDA GPU: the trainer's step at Qwen2.5 0.5B/1.5B/3B shapes (docs/trainer.md). torch and
 # transformers only (random weights, no vLLM): no install step, like gpu-check, so it runs on a GPU box
@@ -140,7 +140,7 @@ bench-gpu:
 # Figure 1 as README's table has it: medians of 3 repeats (11:38), then the table.
 bench-full: install tiny-model
 	$(PY) bench/bench_async.py --repeats 3 --out bench/results.json
-	$(PY) bench/table.py bench/results.json
+	$(PY) bench/table.py bench/results.json --docs docs/benchmarks.md
 
 # The trainer's GPU path without vLLM (bf16 over fp32 masters, packing on sdpa/flash-attention, gradient
 # checkpointing, FSDP2 over nccl, tokens/s and peak memory): for a GPU box with torch, transformers and

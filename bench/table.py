@@ -1,11 +1,14 @@
-"""Render bench/results.json as the README's benchmark table (markdown on stdout).
+"""Render bench/results.json as docs/benchmarks.md's table of figures (markdown on stdout), or write it
+into that file in place of the table there (`make bench` does).
 
-python bench/table.py [bench/results.json]
+python bench/table.py [bench/results.json] [--docs docs/benchmarks.md]
 """
 
+import argparse
 import json
-import sys
 from pathlib import Path
+
+HEADER = "| figure | value | what limits it | command |"
 
 
 def rows(r: dict) -> list[tuple[str, str, str, str]]:
@@ -67,9 +70,9 @@ def rows(r: dict) -> list[tuple[str, str, str, str]]:
         out.append((
             f"2a. trainer tok/s packed / unpacked, rows of {', '.join(map(str, lengths))} tokens "
             f"(widen {pk['widen']})",
-            f"{per('packed_over_unpacked')}x (unpacked {pk['unpacked_tok_s']} tok/s); before (dense T × T "
-            f"mask): {per('dense_over_unpacked')}x",
-            "per-sequence attention costs Σ len² (the dense mask: (Σ len)²); fewer, longer forwards share "
+            f"{per('packed_over_unpacked')}x (unpacked {pk['unpacked_tok_s']} tok/s); dense T × T mask "
+            f"(transformers' sdpa): {per('dense_over_unpacked')}x",
+            "per-sequence attention costs Σ len², the dense mask (Σ len)²; fewer, longer forwards share "
             "the per-forward Python and run larger matmuls", pk["command"],
         ))  # fmt: skip
         out.append((
@@ -146,7 +149,7 @@ def rows(r: dict) -> list[tuple[str, str, str, str]]:
         out.append((
             "7. per-request seeds: seeded tok/s / unseeded tok/s",
             f"{d['ratio']}x ({d['seeded_tok_s']} / {d['unseeded_tok_s']})",
-            "the server: no cost measurable at ±20 % run-to-run noise (loaded machine; seeded was the "
+            "the server: no cost measurable at ±20 % run-to-run noise (loaded machine; seeded the "
             "faster in 6 of 8 alternating pairs, cause not investigated)",
             d["command"],
         ))  # fmt: skip
@@ -201,12 +204,35 @@ def rows(r: dict) -> list[tuple[str, str, str, str]]:
     return out
 
 
+def render(results: dict) -> list[str]:
+    lines = [HEADER, "|---|---|---|---|"]
+    return lines + [
+        f"| {f} | {value} | {limit} | `{command}` |" for f, value, limit, command in rows(results)
+    ]
+
+
+def replace_table(text: str, table: list[str]) -> str:
+    """`text` with the table under HEADER (its contiguous `|` lines) replaced by `table`."""
+    lines = text.split("\n")
+    if HEADER not in lines:
+        raise SystemExit(f"table.py: no line {HEADER!r} to replace; put it where the table goes")
+    start = lines.index(HEADER)
+    end = start
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    return "\n".join(lines[:start] + table + lines[end:])
+
+
 def main() -> None:
-    results = json.loads(Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results.json").read_text())
-    print("| figure | value (ratio) | what limits it | command |")
-    print("|---|---|---|---|")
-    for figure, value, limit, command in rows(results):
-        print(f"| {figure} | {value} | {limit} | `{command}` |")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results", nargs="?", default="bench/results.json")
+    p.add_argument("--docs", type=Path, help="write the table into this markdown file in place of its own")
+    args = p.parse_args()
+    table = render(json.loads(Path(args.results).read_text()))
+    if args.docs:
+        args.docs.write_text(replace_table(args.docs.read_text(), table))
+    else:
+        print("\n".join(table))
 
 
 if __name__ == "__main__":
