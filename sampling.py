@@ -138,9 +138,8 @@ def _row_statistics(logits, targets, threshold, temperature: float, with_entropy
     (a few chunk-sized temporaries); compiled, inductor fuses it into a pass or two over the chunk.
     Differentiable in `logits`."""
     scaled = logits.to(at_least_fp32(logits.dtype))
-    if (
-        temperature != 1.0
-    ):  # x / 1.0 is x: no pass (eager: a chunk copy) for it, nor for logits scaled already
+    # x / 1.0 is x: no pass (eager: a chunk copy) for it, nor for logits scaled already
+    if temperature != 1.0:
         scaled = scaled / temperature
     if threshold is not None:
         scaled = scaled.masked_fill(scaled < threshold[:, None], float("-inf"))
@@ -163,7 +162,9 @@ def _slice_gradient(logits, logz, g, local_targets, kept, temperature: float, ou
     None), 0 off it; `local_targets` each row's target minus the slice's start (outside [0, c): none
     here). In `out_dtype`, what autocast's matmul backward sees. `logits`, the caller's temporary, is
     overwritten where it is already fp32 (a new 128 MiB tensor a slice costs its page faults on CPU)."""
-    grad = logits.to(at_least_fp32(logits.dtype)).div_(temperature)
+    grad = logits.to(at_least_fp32(logits.dtype))
+    if temperature != 1.0:  # x / 1.0 is x: no pass over the slice for it (here and at the end)
+        grad.div_(temperature)
     if kept is not None:
         grad.masked_fill_(~unpack_bits(kept, logits.shape[1]), float("-inf"))
     grad.sub_(logz[:, None]).exp_().mul_(-g[:, None])  # −g π_j: 0 off the kept set
@@ -173,7 +174,9 @@ def _slice_gradient(logits, logz, g, local_targets, kept, temperature: float, ou
     else:  # eager: one write per row, in place (the compare would make two chunk-sized temporaries)
         inside = (local_targets >= 0) & (local_targets < logits.shape[1])
         grad.scatter_add_(1, local_targets.clamp(0, logits.shape[1] - 1)[:, None], (g * inside)[:, None])
-    return grad.div_(temperature).to(out_dtype)
+    if temperature != 1.0:
+        grad.div_(temperature)
+    return grad.to(out_dtype)
 
 
 # The head's elementwise functions as the head calls them: eager, or compiled (compile_head).
