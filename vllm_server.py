@@ -18,6 +18,7 @@ import atexit
 import ipaddress
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -29,6 +30,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 import torch
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir as inductor_cache_dir
 
 # The API server's entry point, with its engine-core process forked from it instead of spawned: on CPU
 # the platform forces spawn for every process vLLM starts, and a spawned engine core imports vLLM again
@@ -104,21 +106,23 @@ def group_pids(pgid: int) -> list[int]:
 # included): it blocks reading a pipe whose only write end lives in the starter, and EOF means "gone".
 # PR_SET_PDEATHSIG would not do: it reaches only the API process, and vLLM's engine processes outlive it.
 _WATCHDOG = """
-import os, signal, sys
-pgid, fd = int(sys.argv[1]), int(sys.argv[2])
+import os, shutil, signal, sys
+pgid, fd, run_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 os.read(fd, 1)
 try:
     os.killpg(pgid, signal.SIGKILL)
 except ProcessLookupError:
     pass
+shutil.rmtree(run_dir, ignore_errors=True)
 """
 
 
-def _start_watchdog(pgid: int) -> int:
-    """Start the watchdog for process group `pgid`; returns the write end of its lifeline pipe."""
+def _start_watchdog(pgid: int, run_dir: Path) -> int:
+    """Start the watchdog for process group `pgid` (and its `run_dir`); returns the write end of its
+    lifeline pipe."""
     read_end, write_end = os.pipe()  # both close-on-exec: no other child inherits the lifeline
     subprocess.Popen(
-        [sys.executable, "-c", _WATCHDOG, str(pgid), str(read_end)],
+        [sys.executable, "-c", _WATCHDOG, str(pgid), str(read_end), str(run_dir)],
         pass_fds=(read_end,),
         start_new_session=True,
     )
@@ -154,10 +158,11 @@ def served_model_name(url: str) -> str:
 
 
 class VLLMServer:
-    """One running vLLM server process (and its engine children, all in one process group)."""
+    """One running vLLM server process (and its engine children, all in one process group), and the
+    directory it keeps its sockets and rendezvous file in (`run_dir`, its TMPDIR), removed with it."""
 
-    def __init__(self, cmd: list[str], env: dict[str, str], url: str, log_path: Path):
-        self.cmd, self.env, self.url, self.log_path = cmd, env, url, log_path
+    def __init__(self, cmd: list[str], env: dict[str, str], url: str, log_path: Path, run_dir: Path):
+        self.cmd, self.env, self.url, self.log_path, self.run_dir = cmd, env, url, log_path, run_dir
         self._launch()
 
     def _launch(self) -> None:
@@ -165,13 +170,14 @@ class VLLMServer:
             self.proc = subprocess.Popen(
                 self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
             )
-        self._lifeline = _start_watchdog(self.proc.pid)
+        self._lifeline = _start_watchdog(self.proc.pid, self.run_dir)
         _live_servers.append(self)
 
     def restart(self) -> None:
         """Kill what is left of this server and launch it again, same port and arguments (so the same
         URL and the same base weights); does not wait for /health. The log is appended to."""
         self.stop()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         self._launch()
 
     def log_tail(self, n_chars: int = 4000) -> str:
@@ -230,6 +236,7 @@ class VLLMServer:
         if self._lifeline is not None:
             os.close(self._lifeline)  # the watchdog exits
             self._lifeline = None
+        shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def __enter__(self) -> "VLLMServer":
         return self
@@ -351,8 +358,14 @@ def start_vllm_server(
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
     if cpus is not None:
         cmd = ["taskset", "-c", cpus, *cmd]  # taskset execs the server: same pid, same process group
+    # vLLM puts its ZMQ sockets in VLLM_RPC_BASE_PATH and its rendezvous file in the temp directory, and a
+    # killed server never removes them (four files in /tmp a start): one directory a server, removed with
+    # it. Inductor's cache stays where it was (its default is under the temp directory too).
+    run_dir = Path(tempfile.mkdtemp(prefix=f"vllm-run-{port}-"))
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
+    env["VLLM_RPC_BASE_PATH"] = env["TMPDIR"] = str(run_dir)
     log_path.unlink(missing_ok=True)
-    server = server_class(cmd, env, f"http://{host}:{port}", log_path)
+    server = server_class(cmd, env, f"http://{host}:{port}", log_path, run_dir)
     if wait:
         server.wait_healthy(timeout_s)
     return server

@@ -319,6 +319,7 @@ def _session_server(fixture: str, tmp_path_factory):
     yield server
     server.stop()
     assert group_pids(server.proc.pid) == [], "processes of a session's vLLM server outlived stop()"
+    assert not server.run_dir.exists(), f"{server.run_dir} (its sockets) outlived stop()"
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ agree, and the launcher leaves nothing behind."""
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -68,7 +69,8 @@ def test_failed_start_reports_log_tail(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_server_dies_with_a_killed_parent(tiny_model, tmp_path):
-    """SIGKILL the process that started a server: the whole server process group must go with it.
+    """SIGKILL the process that started a server: the whole server process group must go with it, and
+    the directory of its sockets and rendezvous file (vLLM leaves them behind: in /tmp, four a start).
     On the way: a server given `cpus` runs every one of its processes there."""
     cpu = max(os.sched_getaffinity(0))
     child = textwrap.dedent(
@@ -76,13 +78,18 @@ def test_server_dies_with_a_killed_parent(tiny_model, tmp_path):
         import os, sys, time
         from vllm_server import group_pids, start_vllm_server
         s = start_vllm_server({str(tiny_model)!r}, log_dir={str(tmp_path)!r}, cpus="{cpu}")
-        print(s.proc.pid, flush=True)
+        print(s.proc.pid, s.run_dir, flush=True)
         time.sleep(600)
         """
     )
     proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
     try:
-        server_pgid = int(proc.stdout.readline())
+        pid, run_dir = proc.stdout.readline().split()
+        server_pgid, run_dir = int(pid), Path(run_dir)
+        modes = [p.stat().st_mode for p in run_dir.iterdir()]
+        assert sum(map(stat.S_ISSOCK, modes)) >= 2 and any(
+            p.name.startswith("vllm_dist_") for p in run_dir.iterdir()
+        )
         pids = group_pids(server_pgid)
         assert len(pids) >= 2, "the API server and its engine core (which runs the model) should be running"
         assert {p: os.sched_getaffinity(p) for p in pids} == {p: {cpu} for p in pids}
@@ -92,6 +99,10 @@ def test_server_dies_with_a_killed_parent(tiny_model, tmp_path):
         while group_pids(server_pgid) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert group_pids(server_pgid) == [], "vLLM processes outlived the killed parent"
+        deadline = time.monotonic() + 10  # the watchdog removes it once the group is killed
+        while run_dir.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not run_dir.exists(), f"{run_dir} outlived the killed parent"
     finally:
         proc.kill()
 

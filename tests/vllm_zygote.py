@@ -23,6 +23,7 @@ import selectors
 import signal
 import socket
 import sys
+import tempfile
 import traceback
 
 from envs.confine import parse_cpus
@@ -59,6 +60,7 @@ def run_child(request: dict, listener: socket.socket, conns: list[socket.socket]
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        tempfile.tempdir = None  # the import may have fixed it: the server's TMPDIR is its own
         sys.argv = [API_SERVER, *args]
         runpy.run_module(API_SERVER, run_name="__main__", alter_sys=True)
         code = 0
