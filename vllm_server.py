@@ -15,6 +15,7 @@ temperature), which is what the GRPO loss needs as μ.
 
 import argparse
 import atexit
+import http.client
 import ipaddress
 import json
 import os
@@ -148,7 +149,8 @@ def healthy(url: str, timeout_s: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as r:
             return r.status == 200
-    except OSError:
+    # ValueError, HTTPException: a URL that does not parse (a port '80x'), a service that is not HTTP
+    except (OSError, ValueError, http.client.HTTPException):
         return False
 
 
@@ -453,6 +455,8 @@ def main() -> None:
         "(download, load, CUDA graphs) can take many minutes",
     )
     args = p.parse_args()
+    if args.num_servers < 1:
+        p.error(f"--num-servers must be at least 1, got {args.num_servers}")
     # Stop cleanly on Ctrl-C and on SIGTERM (`kill`, Slurm), also when started in the background, where
     # the shell leaves SIGINT ignored and Python would never raise KeyboardInterrupt.
     for sig in (signal.SIGINT, signal.SIGTERM):

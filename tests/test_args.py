@@ -2,10 +2,13 @@
 exit 2 with argparse's usage for what check_args finds, exit 1 for a dataset that cannot be used. No
 traceback, no hang."""
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -85,6 +88,20 @@ def test_each_bad_argument_is_one_line_and_no_traceback(tmp_path, tiny_model):
     config |= {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0}
     config.pop("layer_types", None)
     (windowed / "config.json").write_text(json.dumps(config))
+    # A service that is not HTTP (an SSH banner) where a vLLM server was meant to be.
+    not_http = socket.socket()
+    not_http.bind(("127.0.0.1", 0))
+    not_http.listen()
+
+    def banner() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = not_http.accept()
+                conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+                conn.close()
+
+    threading.Thread(target=banner, daemon=True).start()
+    not_http_url = f"http://127.0.0.1:{not_http.getsockname()[1]}"
     cases = [  # (extra arguments, exit code, what the line must say)
         (["--model", str(windowed)], 2, "its attention uses a sliding window of 64 tokens (shorter than"),
         (["--model", "/nonexistent"], 2, "--model: /nonexistent does not exist"),
@@ -92,6 +109,8 @@ def test_each_bad_argument_is_one_line_and_no_traceback(tmp_path, tiny_model):
         (["--model", str(REPO / "data")], 2, "has no config.json"),
         (["--dataset", "README.md"], 2, "--dataset: README.md is not a .jsonl or .parquet file"),
         (["--vllm-url", "http://127.0.0.1:9"], 2, "--vllm-url: no vLLM server answers at"),
+        (["--vllm-url", not_http_url], 2, "--vllm-url: no vLLM server answers at"),
+        (["--vllm-url", "http://127.0.0.1:80x"], 2, "--vllm-url: no vLLM server answers at"),
         (["--output-dir", str(tmp_path / "a-file" / "run")], 2, "--output-dir: cannot create"),
         (["--chat-template", str(tmp_path / "nope.jinja")], 2, "--chat-template: "),
         (["--dataset", str(tmp_path / "empty.jsonl")], 1, "empty.jsonl: no rows"),
@@ -127,3 +146,4 @@ def test_each_bad_argument_is_one_line_and_no_traceback(tmp_path, tiny_model):
             assert len(lines) == 1, (extra, err)
         assert says in lines[-1], (extra, says, lines[-1])
     assert not (tmp_path / "out" / "vllm-logs").exists()  # no server was started
+    not_http.close()

@@ -3,6 +3,7 @@ agree, and the launcher leaves nothing behind."""
 
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -107,6 +108,16 @@ def test_server_dies_with_a_killed_parent(tiny_model, tmp_path):
         proc.kill()
 
 
+@pytest.mark.parametrize("n", [0, -1])
+def test_no_servers_asked_for_is_one_line(n, monkeypatch, capsys):
+    """`--num-servers 0` started nothing and then waited forever on all() of no servers."""
+    monkeypatch.setattr(sys, "argv", ["vllm_server.py", "--num-servers", str(n)])
+    with pytest.raises(SystemExit) as e:
+        vllm_server.main()
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"--num-servers must be at least 1, got {n}")
+
+
 def test_num_servers_start_together_each_on_its_own_gpu(monkeypatch):
     """`vllm_server.py --num-servers 3`: every server is launched before any is waited on (N cold
     starts take the time of one), each waited on for --start-timeout, and server i gets GPU i of this
@@ -122,7 +133,7 @@ def test_num_servers_start_together_each_on_its_own_gpu(monkeypatch):
         server, "wait_healthy", lambda s, timeout_s: events.append(("wait", s.url, timeout_s))
     )
     monkeypatch.setattr(server, "alive", lambda s: False)  # main() returns once the servers are up
-    monkeypatch.setattr(server, "stop", lambda s, grace_s=10.0: None)
+    monkeypatch.setattr(server, "stop", lambda s, grace_s=10.0: shutil.rmtree(s.run_dir))
     monkeypatch.setattr(vllm_server.signal, "signal", lambda *a: None)  # leave pytest's handlers alone
     argv = ["vllm_server.py", "--num-servers", "3", "--port", "9100", "--start-timeout", "2400"]
     monkeypatch.setattr(sys, "argv", argv)
