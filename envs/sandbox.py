@@ -475,7 +475,8 @@ async def run_python(
         error = f"sandbox failed to start: {e}"
     finally:
         if proc is not None and proc.returncode is None:  # cancelled: the run ends here all the same
-            await _end_run(proc, owner, None)
+            # With the reaper too: killed first, it would hand the run's processes to init, out of reach.
+            await _end_run(proc, owner, ours if reaper else None)
         if ours:
             ours.close()
         shutil.rmtree(base, ignore_errors=True)

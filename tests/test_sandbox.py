@@ -1,6 +1,7 @@
 """The sandbox's attack suite: each attack must be contained and the test process left unharmed."""
 
 import asyncio
+import contextlib
 import os
 import shutil
 import socket
@@ -554,6 +555,14 @@ ATTACKS = {
         "print('detached')"
     ),
 }
+# A call cancelled while its code and a child of it run (a rollout's sibling tool call failing, the
+# rollout stopping): the child must not outlive the call.
+CANCELLED = (
+    "import ctypes, os, time\n"
+    "if os.fork() == 0:\n"
+    "    ctypes.CDLL(None).prctl(15, b'sbx-cancelled', 0, 0, 0)  # PR_SET_NAME\n"
+    "time.sleep(3600)"
+)
 SIGNALS_CAUGHT: list[int] = []
 
 
@@ -673,16 +682,40 @@ def attack_suite(port: int) -> dict:
     async def all_attacks(sandbox):
         return await asyncio.gather(*(sandbox.run(c, timeout_s=120) for c in codes))
 
-    outputs = {}
-    for path, sandbox in paths.items():
-        for name, r in zip(ATTACKS, asyncio.run(all_attacks(sandbox)), strict=True):
-            outputs[f"{path}/{name}"] = r.output + r.error
-    time.sleep(0.5)  # a signal on its way; a daemon naming itself
-    alive, detached = sleeper.poll() is None, detached_processes()
-    for line in detached:  # a failed test leaves nothing behind either
-        os.kill(int(line.split()[0]), 9)
-    sleeper.kill()
-    sleeper.wait()
+    async def cancelled(sandbox) -> list[str]:
+        """Cancel a call once its child runs: the child if it outlived the call (killed then), or
+        'never ran'."""
+        call = asyncio.ensure_future(sandbox.run(CANCELLED, timeout_s=120))
+        deadline = time.monotonic() + 60
+        while not (seen := any("sbx-cancelled" in p for p in detached_processes())) and not call.done():
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        call.cancel()
+        # An orphan holding the output pipe would keep the cancelled call waiting on it for ever.
+        done, _ = await asyncio.wait({call}, timeout=30)
+        await asyncio.sleep(0.5)  # what the kernel still has to reap
+        left = [p for p in detached_processes() if p.endswith(" sbx-cancelled")]
+        for line in left:
+            os.kill(int(line.split()[0]), 9)
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        hung = [] if done else ["the call went on 30 s after its cancel"]
+        return hung + left if seen else ["never ran"]
+
+    outputs, cancels_left = {}, {}
+    try:
+        for path, sandbox in paths.items():
+            for name, r in zip(ATTACKS, asyncio.run(all_attacks(sandbox)), strict=True):
+                outputs[f"{path}/{name}"] = r.output + r.error
+            cancels_left[path] = asyncio.run(cancelled(sandbox))
+        time.sleep(0.5)  # a signal on its way; a daemon naming itself
+        alive, detached = sleeper.poll() is None, detached_processes()
+    finally:  # a failed test leaves nothing behind either (the sleeper holds the test's output pipe)
+        for line in detached_processes():
+            os.kill(int(line.split()[0]), 9)
+        sleeper.kill()
+        sleeper.wait()
     bombs = {path: bomb_then_print(sandbox, list(paths.values())) for path, sandbox in paths.items()}
     return {
         "mode": isolation_mode(),
@@ -691,6 +724,7 @@ def attack_suite(port: int) -> dict:
         "sleeper_alive": alive,
         "signals": SIGNALS_CAUGHT,
         "detached": detached,
+        "cancels_left": cancels_left,
         "landlock": landlock_description(),
         "outputs": outputs,
         "bombs": bombs,
@@ -702,6 +736,9 @@ def check_attacks(report: dict, listener: socket.socket) -> None:
     assert report["sleeper_alive"], "the sandbox killed a process of ours"
     assert report["signals"] == [], f"signals reached us: {report['signals']}"
     assert report["detached"] == [], f"processes outlived their run: {report['detached']}"
+    assert report["cancels_left"] == {"warm": [], "cold": []}, (
+        f"outlived a cancelled call: {report['cancels_left']}"
+    )
     with pytest.raises(BlockingIOError):
         listener.accept()  # nothing reached our loopback
     for path in ("warm", "cold"):
