@@ -66,6 +66,8 @@ def save_checkpoint(
     )
     if "row_stream" in state:  # read by check_row_stream before the model loads
         (tmp / "row_stream.json").write_text(json.dumps(state["row_stream"]))
+    if "args" in state:  # read by resumed_flags before the model loads
+        (tmp / "run_args.json").write_text(json.dumps(state["args"], default=str))
     if final.exists():  # re-saving the same step (e.g. after a resume that trained nothing)
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -113,9 +115,55 @@ def checkpoint_to_resume(resume: str | None, out_dir: Path, identity: dict) -> P
     ckpt = latest_checkpoint(out_dir) if resume == "latest" else Path(resume)
     if ckpt is None:
         raise ValueError(f"--resume: no checkpoint in {out_dir / 'checkpoints'}")
+    if not (ckpt / "trainer_state.pt").is_file():
+        raise ValueError(
+            f"--resume: {ckpt} is not a checkpoint (no trainer_state.pt): name a checkpoints/step_N "
+            "directory, or give --resume alone for the latest in --output-dir"
+        )
     if (why := check_row_stream(ckpt, identity)) is not None:
         raise ValueError(why)
     return ckpt
+
+
+# What the checkpoint's adapter, optimizer and learning-rate schedule were made with: a resume under
+# other values would load them into another shape (a traceback), rescale the adapter (--lora-alpha), or
+# keep the checkpoint's --lr and --weight-decay while saying otherwise (the optimizer state holds them).
+RESUMED_FLAGS = (
+    "lora_rank",
+    "lora_alpha",
+    "lora_targets",
+    "lr",
+    "weight_decay",
+    "warmup_steps",
+    "lr_schedule",
+)
+
+
+def resumed_flags(ckpt: Path, args, given: set[str]) -> list[str]:
+    """Set on `args` the checkpoint's value of each RESUMED_FLAGS flag not `given` on the command line
+    (a resume continues that run: `--resume` alone is enough); returns those set, as '--flag value'.
+    ValueError (one line) for a flag given with another value than the checkpoint's."""
+    path = ckpt / "run_args.json"
+    if not path.exists():  # a checkpoint from before run_args.json
+        return []
+    saved = json.loads(path.read_text())
+    taken, clashes = [], []
+    for dest in RESUMED_FLAGS:
+        if dest not in saved or saved[dest] == getattr(args, dest):
+            continue
+        flag = "--" + dest.replace("_", "-")
+        if dest in given:
+            clashes.append(f"{flag} {saved[dest]} (this run: {getattr(args, dest)})")
+        else:
+            setattr(args, dest, saved[dest])
+            taken.append(f"{flag} {saved[dest]}")
+    if clashes:
+        raise ValueError(
+            f"--resume: {ckpt} was trained with {', '.join(clashes)}; a resume continues its adapter, "
+            "optimizer and schedule: leave these flags out (the checkpoint's values are used) or start a "
+            "fresh --output-dir"
+        )
+    return taken
 
 
 def param_checksum(named_tensors) -> float:

@@ -97,7 +97,14 @@ def args_problem(args) -> str | None:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model))
     linear = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    # The logprob head (sampling.py) multiplies by the output layer's base weight: an adapter there
+    # would never be trained, and its optimizer state would be missing at a resume.
+    out = model.get_output_embeddings()
+    head = next((n.rsplit(".", 1)[-1] for n, m in model.named_modules() if m is out), None)
+    linear.discard(head)
     missing = [t for t in args.lora_targets.split(",") if t not in linear]
+    if head in missing:
+        return f"--lora-targets: {head} is the output layer, which the logprob head reads without an adapter"
     if missing:
         return f"--lora-targets: {', '.join(missing)} not linear layers of {args.model} ({sorted(linear)})"
     return None

@@ -46,6 +46,7 @@ import argparse
 import asyncio
 import functools
 import json
+import math
 import os
 import random
 import signal
@@ -67,7 +68,14 @@ from tqdm import tqdm
 import lora
 from batches import BatchTimeout, StreamPosition, batch_sequences, collect_groups
 from chat_format import ChatTemplate
-from checkpoint import checkpoint_to_resume, resume_from, row_stream_identity, save_checkpoint
+from checkpoint import (
+    RESUMED_FLAGS,
+    checkpoint_to_resume,
+    resume_from,
+    resumed_flags,
+    row_stream_identity,
+    save_checkpoint,
+)
 from distributed import broadcast_message, place_ranks
 from envs import ENVS, episode_maker, verify
 from envs.confine import parse_cpus
@@ -184,11 +192,22 @@ parser.add_argument("--report-to", default="none", choices=["none", "tensorboard
 # fmt: on
 
 
+def given_flags(argv: list[str] | None, dests: tuple[str, ...]) -> set[str]:
+    """Which of `dests` (plain stored flags) are on the command line: argparse fills a dest from its
+    default only where the namespace it parses into lacks it."""
+    unset = object()
+    given = parser.parse_args(argv, argparse.Namespace(**dict.fromkeys(dests, unset)))
+    return {dest for dest in dests if getattr(given, dest) is not unset}
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Bad arguments fail here, before any server or model is started, naming the argument."""
     positive = ["prompts_per_step", "num_generations", "max_turns", "max_calls_per_turn", "max_context",
                 "max_steps", "micro_batch_tokens", "sync_every", "save_every", "vllm_tp", "sandbox_workers",
                 "log_completions_every", "eval_limit", "mini_batches"]  # fmt: skip
+    for name, value in vars(args).items():  # nan passes every comparison below
+        if isinstance(value, float) and not math.isfinite(value):
+            parser.error(f"--{name.replace('_', '-')} must be a finite number, got {value}")
     for name in positive:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
@@ -537,10 +556,13 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         sys.exit(str(e))
     row_stream = row_stream_identity(rows, args.seed, args.dataset)
-    try:  # --resume: the checkpoint it names, or (no value) the latest in --output-dir
+    try:  # --resume: the checkpoint it names, or (no value) the latest in --output-dir, and its flags
         ckpt = checkpoint_to_resume(args.resume, out_dir, row_stream)
+        taken = resumed_flags(ckpt, args, given_flags(argv, RESUMED_FLAGS)) if ckpt else []
     except ValueError as e:
         parser.error(str(e))
+    if taken and int(os.environ.get("RANK", 0)) == 0:
+        print(f"resuming with the checkpoint's {' '.join(taken)}", flush=True)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     try:  # --rollout-cpus: the rollout side there, the trainer on the rest

@@ -33,6 +33,10 @@ def test_bad_arguments_fail_before_anything_starts(capsys, tiny_model):
         (["--max-nonfinite-steps", "-1"], "--max-nonfinite-steps must be ≥ 0"),
         (["--lora-rank", "600"], "--lora-rank must be in 0..512"),
         (["--lora-rank", "8", "--lora-targets", "q_proj,qproj"], "--lora-targets: qproj not linear layers"),
+        (["--lora-rank", "8", "--lora-targets", "q_proj,lm_head"], "--lora-targets: lm_head is the output"),
+        (["--temperature", "nan"], "--temperature must be a finite number, got nan"),
+        (["--lr", "nan"], "--lr must be a finite number"),
+        (["--eps-high", "inf"], "--eps-high must be a finite number, got inf"),
     ]:
         with pytest.raises(SystemExit):
             T.main(["--model", str(tiny_model), *argv])

@@ -271,9 +271,14 @@ def test_end_to_end_kill_and_resume(tmp_path, trainer_server):
     assert (out / "completions.jsonl").read_text().strip()
 
     # The checkpoint: complete (no temp dir left as the latest), loadable, and trained.
-    assert {"model.safetensors", "config.json", "tokenizer.json", "trainer_state.pt", "row_stream.json"} <= {
-        p.name for p in ckpt2.iterdir()
-    }
+    assert {
+        "model.safetensors",
+        "config.json",
+        "tokenizer.json",
+        "trainer_state.pt",
+        "row_stream.json",
+        "run_args.json",
+    } <= {p.name for p in ckpt2.iterdir()}
     AutoModelForCausalLM.from_pretrained(ckpt2)
     state = torch.load(ckpt2 / "trainer_state.pt", weights_only=False)
     assert state["step"] == 2 and state["model_version"] == 2 and state["dataset_position"] >= 4
@@ -283,9 +288,12 @@ def test_end_to_end_kill_and_resume(tmp_path, trainer_server):
     for later in (out / "checkpoints").glob("step_*"):
         if later != ckpt2:
             subprocess.run(["rm", "-rf", str(later)], check=True)
-    resume = _cmd(out, 3, "--resume", "--vllm-url", trainer_server.url)
+    # `--resume` without the run's --lr and --weight-decay: a resume continues the checkpoint's.
+    resume = " ".join(_cmd(out, 3, "--resume", "--vllm-url", trainer_server.url))
+    resume = resume.replace(" --lr 1e-3 --weight-decay 0.1", "").split()
     r = subprocess.run(resume, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "resuming with the checkpoint's --lr 0.001 --weight-decay 0.1" in r.stdout, r.stdout[-3000:]
     resumed = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("resumed from")]
     assert resumed and "at step 2, model version 2" in resumed[0], resumed
     checksum = float(resumed[0].rsplit("param checksum ", 1)[1].rstrip(")"))
@@ -306,9 +314,16 @@ def test_end_to_end_kill_and_resume(tmp_path, trainer_server):
     # exit 2, before anything starts.
     fewer = tmp_path / "fewer.jsonl"
     fewer.write_text("".join((REPO / "data" / "retool_train.jsonl").read_text().splitlines(True)[:50]))
-    for other in (["--seed", "1"], ["--dataset", str(fewer)]):
-        r = subprocess.run(_cmd(out, 4, "--resume", *other), cwd=REPO, capture_output=True, text=True)
-        assert r.returncode == 2 and "would name other rows" in r.stderr, r.stderr[-2000:]
+    # So would another --lr (the optimizer state holds the checkpoint's), and a directory that is not a
+    # checkpoint (the run's own output dir).
+    for other, says in [
+        (["--resume", "--seed", "1"], "would name other rows"),
+        (["--resume", "--dataset", str(fewer)], "would name other rows"),
+        (["--resume", "--lr", "1e-4"], "was trained with --lr 0.001 (this run: 0.0001); a resume continues"),
+        (["--resume", str(out)], "is not a checkpoint (no trainer_state.pt)"),
+    ]:
+        r = subprocess.run(_cmd(out, 4, *other), cwd=REPO, capture_output=True, text=True)
+        assert r.returncode == 2 and says in r.stderr.splitlines()[-1], r.stderr[-2000:]
         assert not (out / "checkpoints" / "step_000004").exists()
 
 
