@@ -176,7 +176,7 @@ parser.add_argument("--sync-every", type=int, default=1, help="weight sync every
 parser.add_argument("--fidelity-every", type=int, default=1,
                     help="after every N-th sync, re-score each server's probe with new weights (0: never)")
 parser.add_argument("--max-nonfinite-steps", type=int, default=3,
-                    help="non-finite steps in a row (not applied, not synced) that stop the run, exit 1")
+                    help="non-finite steps in a row (that update never applied) that stop the run, exit 1")
 parser.add_argument("--lora-rank", type=int, default=0,
                     help="train and sync a rank-R adapter on the frozen base (0: full fine-tuning)")
 parser.add_argument("--lora-alpha", type=float, default=0.0, help="adapter scale alpha/R (0: alpha = 2R)")
@@ -628,9 +628,12 @@ def main(argv: list[str] | None = None) -> None:
             train, seqs, logged, traced = trained
             run.step += 1
             train_s = time.monotonic() - t_train
-            nonfinite = train.pop("nonfinite")  # named on stderr, nothing synced
-            too_many = run.nonfinite.record(nonfinite, run.step, args.max_nonfinite_steps)
-            sync = dict(NO_SYNC) if nonfinite else sync_if_due(run)
+            nonfinite = train.pop("nonfinite")  # named on stderr
+            # Mini-batches before a non-finite one were applied: the servers must get the weights they
+            # moved, or they would sample from weights the trainer no longer has.
+            applied = int(train["train/optimizer_steps"])
+            too_many = run.nonfinite.record(nonfinite, run.step, args.max_nonfinite_steps, applied)
+            sync = dict(NO_SYNC) if nonfinite and not applied else sync_if_due(run)
             train["train/nonfinite_steps"] = float(run.nonfinite.total)
 
             # Metrics: one dict per step (fidelity: the start-up probe's on the first line, then the check

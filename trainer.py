@@ -74,10 +74,16 @@ def load_models(args: argparse.Namespace, ckpt: Path | None, device: torch.devic
     if args.kl_beta > 0 and not lora_rank:  # LoRA: the reference is the model with its adapter disabled
         ref_model = build(args.model, ref_dtype, meta=sharded)  # frozen: no fp32 masters
         ref_model = (ref_model if sharded else ref_model.to(device)).eval().requires_grad_(False)
-    n_params = sum(p.numel() for p in model.parameters())
+    # Gradients and AdamW state exist for the trained parameters alone: with LoRA the adapter, not the
+    # frozen base (7B with a rank-16 adapter: 0.5 GiB, not 86 GiB).
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    # Under FSDP the shards are not on the device yet: each takes its dtype's bytes (a LoRA base and the
+    # --kl-beta reference are in the compute dtype, not fp32).
+    unloaded = [m for m in (model, ref_model) if m is not None] if sharded else []
+    shard_bytes = sum(p.numel() * p.element_size() for m in unloaded for p in m.parameters()) / world_size
     on, why = choose_checkpointing(
-        args.gradient_checkpointing, model.config, n_params, args.micro_batch_tokens, world_size,
-        args.compute_dtype == "bf16", free_memory(device, n_params * 4 / world_size if sharded else 0),
+        args.gradient_checkpointing, model.config, trainable, args.micro_batch_tokens, world_size,
+        args.compute_dtype == "bf16", free_memory(device, shard_bytes),
     )  # fmt: skip
     if on:
         model.gradient_checkpointing_enable()
@@ -110,21 +116,23 @@ CHECKPOINT_HEADROOM = 0.85  # of the free memory: the allocator's fragmentation,
 
 
 def choose_checkpointing(
-    setting: str, config, n_params: int, micro_batch_tokens: int, world_size: int, bf16: bool,
+    setting: str, config, trainable_params: int, micro_batch_tokens: int, world_size: int, bf16: bool,
     free_bytes: int | None,
 ) -> tuple[bool, str]:  # fmt: skip
     """(on, why) for --gradient-checkpointing: "on" / "off" as given; "auto" turns it on only when a
     micro-batch's activations without it, plus the gradients and AdamW state still to come (12 bytes
-    per parameter, sharded over ranks), would not fit in CHECKPOINT_HEADROOM of the free memory
-    (`free_bytes`, measured with the weights loaded; None: unknown, so off)."""
+    per trainable parameter: the fp32 gradient and AdamW's two moments, sharded over ranks; a frozen
+    LoRA base has none), would not fit in CHECKPOINT_HEADROOM of the free memory (`free_bytes`,
+    measured with the weights loaded; None: unknown, so off)."""
     if setting != "auto":
         return setting == "on", f"--gradient-checkpointing {setting}"
     gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
     acts = activation_bytes(config, micro_batch_tokens, bf16)
-    state = 12 * n_params // world_size
+    state = 12 * trainable_params // world_size
+    count = f"{trainable_params / 1e9:.2f}B" if trainable_params >= 1e9 else f"{trainable_params / 1e6:.1f}M"
     need = (
         f"{gib(acts)} of activations at {micro_batch_tokens}-token micro-batches + {gib(state)} of "
-        "gradients and AdamW"
+        f"gradients and AdamW state for {count} trainable parameters"
     )
     if free_bytes is None:
         return False, f"auto: free memory unknown; {need}"
@@ -292,21 +300,27 @@ def train_step(
     model, ref_model, optimizer, scheduler, seqs, args, rank, world_size, device, traced: dict | None = None
 ) -> dict:
     """Forward/backward over this rank's packed micro-batches, then a clipped AdamW step: once per
-    mini-batch (--mini-batches N splits the batch's sequences into N; N = 1 is one step on the whole
-    batch). The loss denominators count the whole mini-batch (all its micro-batches, all ranks); FSDP
-    averages gradients over ranks, so each rank's loss is scaled by world_size and the update is the
-    one-process update. π_old: with N = 1 the forward's own logprobs, detached (the ratio is 1 and the
-    clip inert); with N > 1 one no-grad pass before the first step, so later mini-batches are clipped
-    against the policy that existed before the update. The scheduler steps once per call.
+    mini-batch (--mini-batches N splits the batch's sequences into N, or into one per sequence when the
+    batch has fewer; N = 1 is one step on the whole batch). The loss denominators count the whole
+    mini-batch (all its micro-batches, all ranks); FSDP averages gradients over ranks, so each rank's
+    loss is scaled by world_size and the update is the one-process update. π_old: with N = 1 the
+    forward's own logprobs, detached (the ratio is 1 and the clip inert); with N > 1 one no-grad pass
+    before the first step, so later mini-batches are clipped against the policy that existed before the
+    update. The scheduler steps once per call.
     Returns the train/ metrics of the whole batch (fractions over all its tokens; loss and grad norm
-    the mean over the mini-batches that ran: a non-finite one ends the step, and is not applied).
+    the mean over the mini-batches that ran). A non-finite mini-batch is not applied and ends the step;
+    the ones before it were applied (train/optimizer_steps counts them): the weights moved, so the caller
+    syncs them as after any step. Checking every mini-batch before applying the first is not possible:
+    each one's gradient is taken on the weights the ones before it updated.
     Sequences carrying a "trace" key (the completions logged this step) get their π_old (detached) in
     `traced` on rank 0, keyed by it."""
     # bf16 compute over fp32 weights: autocast runs the matmuls in bf16, the gradients land on the fp32
     # parameters, AdamW updates fp32 (a 1e-6 step is far below half a bf16 ulp: bf16 weights would not
     # move). Under FSDP2 the MixedPrecisionPolicy (shard_model) casts the gathered weights as well.
     bf16, sampling = args.compute_dtype == "bf16", sampling_of(args)
-    n_mini = getattr(args, "mini_batches", 1)
+    # The fidelity check can drop groups after the batch was sized (fidelity.SyncChecks.train), leaving
+    # fewer sequences than --mini-batches: one mini-batch per sequence then, never an empty one.
+    n_mini = min(getattr(args, "mini_batches", 1), len(seqs))
     minis = [seqs[j * len(seqs) // n_mini : (j + 1) * len(seqs) // n_mini] for j in range(n_mini)]
     mini_bins = [pack(mini, args.micro_batch_tokens) for mini in minis]
     old: list[list[torch.Tensor | None]] = [[None] * -(-len(b) // world_size) for b in mini_bins]
@@ -378,6 +392,7 @@ def train_step(
             traced.update(gathered)
     ntok = max(sums.get("tokens", 0.0), 1.0)
     ran = len(grad_norms)  # mini-batches forwarded: a non-finite one ends the step (not applied)
+    applied = ran - bool(nonfinite)  # the first `applied` mini-batches: the weights moved by them
     return {
         "train/loss": sums["loss"] / ran,
         "train/clip_low_frac": sums["clip_low"] / ntok,
@@ -392,7 +407,7 @@ def train_step(
         "train/lr": lr,
         "train/loss_tokens": sums["tokens"],
         "train/micro_batches": float(sum(len(b) for b in mini_bins)),
-        "train/optimizer_steps": float(ran - bool(nonfinite)),
+        "train/optimizer_steps": float(applied),
         "nonfinite": nonfinite,  # "" or what was non-finite: the loop pops it (train/nonfinite_steps)
     }
 
@@ -423,22 +438,31 @@ class NonFiniteSteps(RuntimeError):
 
 @dataclass
 class NonFiniteCount:
-    """The steps train_step did not apply (a non-finite loss or gradient): all of them
-    (train/nonfinite_steps), and the run of them that ends at the latest step."""
+    """The steps train_step did not apply in full (a non-finite loss or gradient in one of its
+    mini-batches): all of them (train/nonfinite_steps), and the run of them that ends at the latest step.
+    A step whose earlier mini-batches were applied counts too: the run is producing non-finite updates."""
 
     total: int = 0
     in_row: int = 0
 
-    def record(self, what: str, step: int, limit: int) -> bool:
-        """After every step, with its train_step "nonfinite" ("" when the step was applied): counts it and
-        names it on stderr. True when it makes `limit` in a row (--max-nonfinite-steps; 0: the first)."""
+    def record(self, what: str, step: int, limit: int, applied: int = 0) -> bool:
+        """After every step, with its train_step "nonfinite" ("" when the step was applied) and
+        train/optimizer_steps (`applied`: the mini-batches before the non-finite one, which moved the
+        weights, so the loop syncs them as any step's): counts it and names it on stderr, saying what was
+        applied and synced. True when it makes `limit` in a row (--max-nonfinite-steps; 0: the first)."""
         if not what:
             self.in_row = 0
             return False
         self.total, self.in_row = self.total + 1, self.in_row + 1
+        done = "update not applied, nothing synced"
+        if applied:
+            done = (
+                f"mini-batch{'es 1-' if applied > 1 else ' '}{applied} applied and synced as any step's, "
+                "the rest not"
+            )
         print(
-            f"\nstep {step}: non-finite {what}; update not applied, nothing synced ({self.in_row} in a row, "
-            f"the run stops at {limit})", file=sys.stderr, flush=True,
+            f"\nstep {step}: non-finite {what}; {done} ({self.in_row} in a row, the run stops at {limit})",
+            file=sys.stderr, flush=True,
         )  # fmt: skip
         return self.in_row >= limit
 

@@ -153,6 +153,92 @@ def test_the_trainer_says_what_it_chose_and_why(tiny_model, capsys):
         assert ("free" in line) if setting == "auto" else ("--gradient-checkpointing on" in line)
 
 
+def test_auto_checkpointing_charges_lora_for_its_adapter_alone(tiny_model, monkeypatch, capsys):
+    """Gradients and AdamW state exist for the trained parameters only: with --lora-rank the adapter,
+    not the frozen base (7B with a rank-16 adapter: 0.5 GiB, where all parameters would be 86 GiB and
+    turn checkpointing on for nothing). The free memory is set between the two: LoRA fits without
+    checkpointing, full fine-tuning of the same model does not, and the line counts what it charged."""
+    args = script.parser.parse_args(["--model", str(tiny_model), "--lora-rank", "8", "--compile", "off"])
+    args.compute_dtype = "fp32"
+    model, _, _ = T.load_models(args, None, torch.device("cpu"), world_size=1)
+    capsys.readouterr()
+    adapter = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    everything = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model).parameters())
+    assert adapter < everything / 10
+    acts = activation_bytes(model.config, args.micro_batch_tokens, bf16=False)
+    free = (acts + 12 * (adapter + everything) / 2) / T.CHECKPOINT_HEADROOM
+    monkeypatch.setattr(T, "free_memory", lambda device, taken_later=0.0: int(free))
+    for lora_rank, on, trained in [(8, False, adapter), (0, True, everything)]:
+        args.lora_rank = lora_rank
+        model, _, _ = T.load_models(args, None, torch.device("cpu"), world_size=1)
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("gradient checkpointing"))
+        assert model.is_gradient_checkpointing is on, line
+        assert f"AdamW state for {trained / 1e6:.1f}M trainable parameters" in line, line
+
+
+# ---------------------------------------------------------------------------------------------------
+# --mini-batches: a batch smaller than N, and a non-finite mini-batch after applied ones
+# ---------------------------------------------------------------------------------------------------
+def _trained(model_dir: Path, seqs: list[dict], mini_batches: int):
+    """(metrics, model, optimizer) after one train_step on `seqs` from the tiny model's weights, with
+    AdamW and the real parser's defaults."""
+    args = script.parser.parse_args(
+        ["--model", "m", "--micro-batch-tokens", "24", "--mini-batches", str(mini_batches)]
+    )
+    args.compute_dtype = "fp32"
+    cpu = torch.device("cpu")
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation=packed_attention(cpu, "fp32")
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    return T.train_step(model, None, optimizer, scheduler, seqs, args, 0, 1, cpu), model, optimizer
+
+
+def test_a_batch_with_fewer_sequences_than_mini_batches_trains_one_per_sequence(tiny_model):
+    """The fidelity check can drop groups after the batch was sized (--prompts-per-step 2
+    --num-generations 2 --mini-batches 4, one group dropped: 2 sequences). --mini-batches 4 over 3
+    sequences is the step --mini-batches 3 takes, each sequence its own mini-batch (it crashed on an
+    empty one)."""
+    start = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).state_dict()
+    four, model4, _ = _trained(tiny_model, _seqs(3), mini_batches=4)
+    three, model3, _ = _trained(tiny_model, _seqs(3), mini_batches=3)
+    assert four["nonfinite"] == "" and four["train/optimizer_steps"] == 3.0
+    assert four["train/loss"] == three["train/loss"]
+    for k, v in model3.state_dict().items():
+        assert torch.equal(model4.state_dict()[k], v), k
+    assert not torch.equal(model4.state_dict()["lm_head.weight"], start["lm_head.weight"])
+
+
+def test_a_non_finite_mini_batch_after_applied_ones_keeps_them_and_says_they_are_synced(tiny_model, capsys):
+    """--mini-batches 2 with a NaN behaviour logprob in the second: the first was applied before the
+    second was scored (its gradient needs the weights the first moved, so it cannot be checked first).
+    The step reports it (train/optimizer_steps 1, the weights and AdamW state those of the first
+    mini-batch's step alone), and the stderr line says it is applied and synced, not 'nothing synced':
+    the loop syncs such a step, or the servers would sample from weights the trainer no longer has."""
+    seqs = _seqs(4)
+    for s in seqs[2:]:
+        s["behaviour"] = [float("nan")] * len(s["ids"])
+    partial, model, optimizer = _trained(tiny_model, seqs, mini_batches=2)
+    assert partial["nonfinite"].startswith("mini-batch 2/2: loss nan"), partial["nonfinite"]
+    assert partial["train/optimizer_steps"] == 1.0
+    _, first_alone, first_optimizer = _trained(tiny_model, seqs[:2], mini_batches=1)
+    for k, v in first_alone.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    for p, q in zip(model.parameters(), first_alone.parameters()):
+        for k, v in first_optimizer.state[q].items():
+            assert torch.equal(optimizer.state[p][k], v), k
+    count = T.NonFiniteCount()
+    count.record(partial["nonfinite"], 5, limit=3, applied=int(partial["train/optimizer_steps"]))
+    err = capsys.readouterr().err
+    assert "mini-batch 2/2: loss nan" in err and "; mini-batch 1 applied and synced" in err, err
+    assert "not applied, nothing synced" not in err and "(1 in a row" in err, err
+    count.record("mini-batch 4/4: loss nan", 6, limit=3, applied=3)
+    assert "; mini-batches 1-3 applied and synced" in capsys.readouterr().err
+    count.record("mini-batch 1/4: loss nan", 7, limit=3, applied=0)
+    assert "; update not applied, nothing synced (3 in a row" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------------------
 # --compile: each decoder layer through torch.compile; the same step, one compile for every packing
 # ---------------------------------------------------------------------------------------------------
