@@ -37,6 +37,8 @@ class ChatTemplate:
       (generation stops there; one call per assistant message, as the format has it);
     - Llama-3.1: a bare JSON object ending the turn with `<|eot_id|>`/`<|eom_id|>`, optionally after
       `<|python_tag|>`.
+    Without tools a template need not write calls at all: if it cannot, the format is "none" and
+    nothing is parsed as a call. With tools, one that cannot is refused.
 
     The loop never re-renders earlier turns: what the model generated is what it sees next and what is
     trained. The only text taken from the template after the prompt is the tool-turn suffix (the rest of
@@ -57,21 +59,30 @@ class ChatTemplate:
         else:
             self.format, self._call_end = "llama3", tokenizer.eos_token or ""
         self.hermes = self.format == "hermes"
-        # The id that ends a tool call: generation stops there and includes it (Llama-3.1's is eos).
-        self.stop_token_ids: list[int] = []
-        if self.format != "llama3":
-            end_id = tokenizer.convert_tokens_to_ids(self._call_end)
-            if end_id is None or end_id == tokenizer.unk_token_id:
-                raise ChatTemplateError(f"tool calls end with {self._call_end!r}: not one token")
-            self.stop_token_ids = [end_id]
         # Every added token (chat markers, tool tags) by its text: these are the template's own, and the
         # only place they become control ids is where the template writes them.
         added = {a.content: i for i, a in tokenizer.added_tokens_decoder.items()}
         self._plain = _without_added_tokens(tokenizer.backend_tokenizer)
         self._marker_ids = added
         self._markers = re.compile("(" + "|".join(map(re.escape, sorted(added, key=len, reverse=True))) + ")")
-        self._check_call_format()
-        self._check_tool_suffix_is_stable()
+        # The id that ends a tool call: generation stops there and includes it (Llama-3.1's is eos).
+        self.stop_token_ids: list[int] = []
+        try:
+            if self.format != "llama3":
+                end_id = tokenizer.convert_tokens_to_ids(self._call_end)
+                if end_id is None or end_id == tokenizer.unk_token_id:
+                    raise ChatTemplateError(f"tool calls end with {self._call_end!r}: not one token")
+                self.stop_token_ids = [end_id]
+            self._check_call_format()
+            self._check_tool_suffix_is_stable()
+        except ChatTemplateError as e:
+            if self.tools:
+                raise
+            # A tool-free env (`--env math`) never needs a call written, and many math and base models'
+            # templates cannot write one: then nothing the model writes is read as a call, and its turn
+            # ends the episode (a template that can write calls keeps answering them "unknown tool").
+            logger.info("no tools and the chat template has no usable tool-call format (%s)", e)
+            self.format, self.hermes, self._call_end, self.stop_token_ids = "none", False, "", []
         rerendered = self._rerendered_turn()
         if rerendered:
             logger.warning(
@@ -131,7 +142,7 @@ class ChatTemplate:
         )
 
     def _probe_conversation(self) -> list[dict]:
-        return [
+        conv = [
             {"role": "system", "content": "s"},
             {"role": "user", "content": "u"},
             {"role": "assistant", "content": "", "tool_calls": [_probe_call()]},
@@ -140,6 +151,8 @@ class ChatTemplate:
             {"role": "user", "content": "u2"},
             {"role": "assistant", "content": "b"},
         ]
+        # Without a call format the template may reject a tool turn, which such a rollout never has.
+        return conv[:2] + conv[4:] if self.format == "none" else conv
 
     def _check_call_format(self) -> None:
         """The template writes a tool call the way the selected parser reads it, or we say it is not a
@@ -221,6 +234,8 @@ class ChatTemplate:
 
     def parse_tool_calls(self, text: str) -> list[tuple[str, dict | str, str | None]]:
         """(name, arguments, error) per call in a turn's text; error is None for a well-formed call."""
+        if self.format == "none":  # no tools and a template that cannot write a call: nothing is one
+            return []
         if self.format == "harmony":
             return [
                 _parse_arguments(recipient.removeprefix("functions."), body)

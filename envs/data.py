@@ -4,10 +4,11 @@ Column mapping, first match wins (other columns are kept as they are):
 - question <- `question`, `problem`, `prompt`; a `prompt` that is a list of chat messages (DAPO-Math-17k)
   gives its last user message's content.
 - answer <- `answer`, `solution`, `reward_model["ground_truth"]` (DAPO-Math-17k); an answer containing
-  `####` (GSM8K) gives the text after the last `####`, with thousands separators removed.
-A file that is not JSON lines, has no rows, or has a row without a question or an answer raises
-ValueError naming the line or row index and the field, so a bad dataset fails before training
-starts (in one line: `load_datasets`).
+  `####` (GSM8K) gives the text after the last `####`, with thousands separators removed; a list of one
+  answer gives that answer.
+A file that is not JSON lines (one object a line), has no rows, or has a row without a question or an
+answer, or whose answer is a longer list or an object, raises ValueError naming the line or row index
+and the field, so a bad dataset fails before training starts (in one line: `load_datasets`).
 """
 
 import json
@@ -26,9 +27,19 @@ def _question(row: dict) -> str | None:
 
 
 def _answer(row: dict) -> str | None:
+    """The ground truth as a string; None if missing; ValueError for one no string can stand for."""
     a = row.get("answer", row.get("solution"))
     if a is None and isinstance(row.get("reward_model"), dict):
         a = row["reward_model"].get("ground_truth")
+    # Some datasets store the ground truth as a list of one; str() would make it "['5']", which no
+    # answer ever matches, so every reward would silently be wrong.
+    if isinstance(a, list | tuple) and len(a) == 1:
+        a = a[0]
+    if isinstance(a, list | tuple | dict):
+        raise ValueError(
+            f"answer is a {type(a).__name__} ({str(a)[:60]}), but the reward compares one answer: give "
+            "a string or a number (or a list of exactly one)"
+        )
     if a is None or (isinstance(a, str) and not a.strip()):
         return None
     a = str(a)
@@ -40,7 +51,10 @@ def _answer(row: dict) -> str | None:
 def normalize_rows(raw: list[dict]) -> list[dict]:
     rows = []
     for i, r in enumerate(raw):
-        q, a = _question(r), _answer(r)
+        try:
+            q, a = _question(r), _answer(r)
+        except ValueError as e:
+            raise ValueError(f"row {i}: {e}") from None
         if q is None:
             raise ValueError(f"row {i}: no question (looked for 'question', 'problem', 'prompt')")
         if a is None:
@@ -57,10 +71,20 @@ def load_rows(path_or_name: str, split: str = "train") -> list[dict]:
         raw = []
         with open(path_or_name) as f:
             for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
                 try:
-                    raw += [json.loads(line)] if line.strip() else []
+                    row = json.loads(line)
                 except ValueError as e:
                     raise ValueError(f"line {n}: not JSON ({e})") from None
+                # Valid JSON that is not an object (`["q", "a"]`, `null`) would fail later, far from
+                # its line, with an AttributeError instead of this one line.
+                if not isinstance(row, dict):
+                    raise ValueError(
+                        f"line {n}: {line.strip()[:60]} is not a JSON object; write one object per line, "
+                        'e.g. {"question": "1+1?", "answer": "2"}'
+                    )
+                raw.append(row)
     elif path_or_name.endswith(".parquet"):
         import pyarrow.parquet as pq
 

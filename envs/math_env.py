@@ -40,8 +40,12 @@ def last_boxed(text: Any) -> str | None:
 
 
 # A line that starts (after markdown: "**Answer:**", "> ", "## ") with "Answer:" or "Final answer:".
-_ANSWER_LINE = re.compile(r"^[ \t>*_#]*(?:final[ \t]+)?answer[ \t*_]*:[ \t*_]*(.*?)[ \t]*$", re.I | re.M)
-_GSM8K_LINE = re.compile(r"####[ \t]*(.*?)[ \t]*$", re.M)
+# Each captures the rest of the line whole and `last_answer` trims it in Python: a lazy `(.*?)` before
+# `[ \t]*$` retries the trailing-blank run at every character, quadratic in a run of blanks followed by
+# anything else on the line, and a model can write that (Qwen's vocabulary has a 128-space token, so
+# 1,900 tokens took minutes, holding the GIL, before any deadline applies).
+_ANSWER_LINE = re.compile(r"^[ \t>*_#]*(?:final[ \t]+)?answer[ \t*_]*:([^\n]*)", re.I | re.M)
+_GSM8K_LINE = re.compile(r"####([^\n]*)")
 
 
 def _clean(answer: str, gsm8k: bool) -> str:
@@ -62,12 +66,13 @@ def last_answer(text: Any) -> str | None:
     box, boxed = max(text.rfind("\\boxed{"), text.rfind("\\fbox{")), last_boxed(text)
     if boxed is not None:
         found.append((box, boxed))
-    for pattern, gsm8k in ((_ANSWER_LINE, False), (_GSM8K_LINE, True)):
+    for pattern, lead, gsm8k in ((_ANSWER_LINE, " \t*_", False), (_GSM8K_LINE, " \t", True)):
         last = None
         for last in pattern.finditer(text):  # noqa: B007 (the loop only finds the last match)
             pass
-        if last is not None and last.group(1):
-            found.append((last.start(), _clean(last.group(1), gsm8k)))
+        answer = last.group(1).lstrip(lead).rstrip(" \t") if last is not None else ""
+        if answer:
+            found.append((last.start(), _clean(answer, gsm8k)))
     return max(found)[1] if found else None
 
 

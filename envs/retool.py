@@ -8,7 +8,9 @@ Reward: the same as `--env math` (1.0 for a matching \\boxed{} answer, else `wro
 optional tool-use term, off by default. verl's and slime's ReTool recipes add it only to wrong answers,
 so it can never outweigh being right: score = min(-0.6, -1 + (num_turns - 2) / 2 * 0.1), i.e. +0.1 per
 tool round, at most +0.4. We do the same relative to `wrong_reward`, counting successful calls only
-(a failed call is not tool use worth encouraging): wrong -> wrong_reward + min(0.4, tool_bonus * n).
+(a failed call is not tool use worth encouraging): wrong -> wrong_reward + min(0.4, tool_bonus * n),
+where a successful call is one the worker could run whose code then exited 0 in time (no traceback,
+no nonzero exit, no timeout).
 They use it because small models' tool use otherwise collapses early in RL; try `tool_bonus=0.1`.
 """
 
@@ -36,7 +38,8 @@ def strip_fence(code: str) -> str:
 
 
 def format_result(r: SandboxResult, timeout_s: float) -> str:
-    """What the model reads back: the output, and a precise note when the run did not end normally."""
+    """What the model reads back: the output, and a precise note when the run did not end normally
+    (always its last line: `ran_ok` reads it)."""
     out = r.output
     if r.timed_out:
         out += f"\n[timed out after {timeout_s:g} s; the process was killed]"
@@ -47,6 +50,17 @@ def format_result(r: SandboxResult, timeout_s: float) -> str:
     if not out.strip():
         out = "[no output; use print() to see values]"
     return out
+
+
+_FAILED_NOTE = re.compile(r"\[(?:timed out after .* s; the process was killed|.*exit code -?\d+)\]")
+
+
+def ran_ok(result: str) -> bool:
+    """Whether `format_result` wrote `result` for a run that ended normally: no failure note ends it.
+    The record's `failed` flag only says the worker could run the call; a traceback, a nonzero exit or
+    a timeout is a result the model reads. Code that prints such a note itself only forfeits its own
+    bonus; a failed run cannot hide its note, which is written after all of the output."""
+    return _FAILED_NOTE.fullmatch(result.rpartition("\n")[2]) is None
 
 
 @dataclass
@@ -85,7 +99,7 @@ class Episode:
         self.reward_timeouts += verdict is None
         if verdict:
             return 1.0
-        n_ok = sum(1 for c in tool_calls if not getattr(c, "failed", True))
+        n_ok = sum(1 for c in tool_calls if not getattr(c, "failed", True) and ran_ok(str(c.result)))
         return self.wrong_reward + min(MAX_TOOL_BONUS, self.tool_bonus * n_ok)
 
     def is_done(self) -> bool:

@@ -3,6 +3,7 @@
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,9 +17,10 @@ from transformers.utils import get_json_schema
 
 from envs import load_env, verify
 from envs.confine import ROLLOUT_CPUS_ENV
-from envs.data import load_rows
+from envs.data import load_datasets, load_rows
 from envs.math_env import answers_match, last_answer, last_boxed
-from envs.retool import strip_fence
+from envs.retool import ran_ok, strip_fence
+from envs.sandbox import SandboxResult
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -102,6 +104,28 @@ def test_last_answer_reads_the_forms_math_datasets_ask_for(text, answer):
     assert last_answer(text) == answer
 
 
+@pytest.mark.parametrize(
+    "text, answer",
+    [
+        ("Answer: 5" + " " * 128 * 500 + "x", "5" + " " * 128 * 500 + "x"),  # Qwen has a 128-space token
+        ("**Answer:** 5" + "\t " * 32_000 + "x\nok", "5" + "\t " * 32_000 + "x"),
+        ("#### 7" + " " * 64_000 + "8", "7" + " " * 64_000 + "8"),
+        ("Answer: 5" + " " * 64_000 + "\n#### 6" + "\t" * 64_000, "6"),
+    ],
+    ids=["answer_line", "markdown_tabs", "gsm8k", "trailing_blanks"],
+)
+def test_a_long_run_of_blanks_in_an_answer_line_is_read_in_linear_time(text, answer):
+    """A blank run followed by more text on the line made the old lazy-capture regexes quadratic: the
+    first three 64k-character lines took 17 s each, holding the GIL inside the reward thread (a
+    1,900-token completion of Qwen's 128-space token: 174 s); the last checks that trailing blanks are
+    still trimmed. Now each takes about a millisecond. The clock is this thread's CPU time, so other
+    processes on a shared machine do not count; the 1 s bound is a thousand times the linear cost and
+    a seventeenth of the quadratic one, and the answer is the one the old regexes gave."""
+    t0 = time.thread_time()
+    assert last_answer(text) == answer
+    assert time.thread_time() - t0 < 1.0
+
+
 def test_a_dapo_answer_line_is_rewarded():
     ep = load_env("retool").make_episode({"question": "q", "answer": "34"})
     assert ep.reward(final("x = 34, so\nAnswer: 34"), []) == 1.0
@@ -143,6 +167,34 @@ def test_tool_bonus():
     assert ep.reward(final("\\boxed{6}"), [ok] * 10) == 1.0  # right answers get no bonus
     plain = retool.make_episode({"question": "q", "answer": "6"})
     assert plain.reward(final("\\boxed{5}"), [ok]) == 0.0  # off by default
+
+
+def test_a_run_that_failed_earns_no_tool_bonus():
+    """The worker marks a call failed only when it could not run it; code that raised, exited nonzero
+    or timed out is a result the model reads, and no tool use worth a bonus. The results are what the
+    interpreter returns for such runs (`format_result`; test_code_interpreter runs real ones), built
+    here without starting a sandbox, which the quick test pass refuses."""
+    retool = load_env("retool")
+    ep = retool.make_episode({"question": "q", "answer": "6"}, wrong_reward=-1.0, tool_bonus=0.1)
+
+    def run(output, exit_code=0, timed_out=False, error=""):
+        r = SandboxResult(output, exit_code, timed_out, truncated=False, duration_s=0.0, error=error)
+        return retool.format_result(r, ep.timeout_s)
+
+    results = [
+        run("1\n"),
+        run(""),  # "[no output; ...]": it ran
+        run("Traceback ...\nZeroDivisionError: division by zero\n", 1),
+        run("", 3),
+        run("", 137, error="killed by signal 9 (SIGKILL)"),
+        run("partial\n", 137, timed_out=True),
+    ]
+    assert [ran_ok(r) for r in results] == [True, True, False, False, False, False]
+    calls = [Call("code_interpreter", {"code": "..."}, r, False) for r in results]
+    assert ep.reward(final("\\boxed{5}"), calls) == pytest.approx(-0.8)  # the two that ran
+    assert ep.reward(final("\\boxed{5}"), calls[2:]) == -1.0
+    # A failure note is the last line; code can print one (forfeiting its own bonus) but not hide one.
+    assert not ran_ok("42\n[exit code 1]") and ran_ok("[exit code 1]\n42")
 
 
 def test_tool_schema():
@@ -219,6 +271,34 @@ def test_load_rows_bad_rows(tmp_path):
     (tmp_path / "c.csv").write_text("question,answer\n")
     with pytest.raises(ValueError, match="expected a .jsonl or .parquet"):
         load_rows(str(tmp_path / "c.csv"))
+
+
+@pytest.mark.parametrize("line", ['["1+1?", "2"]', "null", '"1+1?"', "3"])
+def test_a_line_that_is_not_an_object_is_named(tmp_path, line):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"question": "q", "answer": "1"}\n' + line + "\n")
+    with pytest.raises(ValueError, match=rf"^line 2: {re.escape(line)} is not a JSON object; write one"):
+        load_rows(str(path))
+    # And in the one line training start-up prints, naming the flag and the file.
+    with pytest.raises(ValueError, match=rf"^--dataset {re.escape(str(path))}: line 2: .* not a JSON object"):
+        load_datasets(str(path), None, 0)
+
+
+def test_an_answer_list_of_one_is_its_answer_and_a_longer_one_is_refused(tmp_path):
+    rows = [
+        {"question": "q", "answer": ["5"]},
+        {"question": "q", "reward_model": {"ground_truth": [7]}},
+        {"question": "q", "answer": ["6", "7"]},
+    ]
+    assert [r["answer"] for r in load_rows(write_jsonl(tmp_path / "a.jsonl", rows[:2]))] == ["5", "7"]
+    for i, bad in [(2, ["6", "7"]), (2, []), (2, {"x": 1})]:
+        path = write_jsonl(tmp_path / "b.jsonl", rows[:2] + [{"question": "q", "answer": bad}])
+        with pytest.raises(
+            ValueError, match=rf"^row {i}: answer is a (list|dict) .*give a string or a number"
+        ):
+            load_rows(path)
+    ep = load_env("math").make_episode(load_rows(write_jsonl(tmp_path / "c.jsonl", rows[:1]))[0])
+    assert ep.reward(final("\\boxed{5}"), []) == 1.0
 
 
 def test_shipped_data_and_generator(tmp_path):

@@ -18,7 +18,7 @@ from test_vllm_server import post
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from chat_format import ChatTemplate
+from chat_format import ChatTemplate, ChatTemplateError
 from envs.retool import make_episode
 from sampling import Sampling
 from vllm_server import group_pids
@@ -194,6 +194,41 @@ def test_exact_markers_in_tool_output_are_the_characters_they_are(tok, reference
     plain = reference.encode(f"user\n<tool_response>\n{content}\n</tool_response>", disallowed_special=())
     newline, header = reference.encode("\n"), reference.encode("assistant\n")
     assert suffix == [im_end, *newline, im_start, *plain, im_end, *newline, im_start, *header]
+
+
+# A math model's plain ChatML: no tools, no tool calls (the shape of many math and base templates).
+PLAIN_CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_without_tool_calls_serves_a_tool_free_env_only():
+    """`--env math` (no tools) runs with a template that cannot write a tool call; nothing the model
+    writes is then read as one, so its first turn ends the episode. With tools it is refused."""
+    plain = AutoTokenizer.from_pretrained(MODEL)  # our own copy: the module's `tok` keeps Qwen's template
+    plain.chat_template = PLAIN_CHATML
+    template = ChatTemplate(plain, tools=None)
+    assert template.format == "none" and template.stop_token_ids == [] and not template.hermes
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "1+1?"}]
+    assert template.prompt_ids(messages) == encode(plain, template.render(messages, True))
+    for text in (
+        '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
+        '{"name": "f", "arguments": {}}',
+    ):
+        assert template.parse_tool_calls(text + "<|im_end|>") == []
+        assert template.assistant_message(text + "<|im_end|>", [])["content"] == text
+    with pytest.raises(ChatTemplateError, match="not a tool-call format the rollout parses"):
+        ChatTemplate(plain, make_episode({"question": "q", "answer": "1"}).tools)
+
+
+def test_a_tool_free_env_on_a_template_with_tool_calls_still_parses_them(tok):
+    """Unchanged for a template that writes calls: a stray call is parsed (the worker answers it
+    "unknown tool"), and generation stops at `</tool_call>`."""
+    template = ChatTemplate(tok, tools=None)
+    assert template.format == "hermes" and template.stop_token_ids == [QWEN_IDS["</tool_call>"]]
+    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    assert template.parse_tool_calls(call) == [("f", {}, None)]
 
 
 # ---------------------------------------------------------------------------------------------------
