@@ -271,6 +271,11 @@ MEMORY_LIMIT_BYTES = 2 * 1024**3  # RLIMIT_AS: address space, generous for numpy
 MAX_FILE_BYTES = 16 * 1024**2  # RLIMIT_FSIZE: largest file the code may write
 MAX_OPEN_FILES = 128  # RLIMIT_NOFILE
 MAX_PIDS = 512  # pids.max: processes and threads of all live runs and the fork server together
+# The disk a run may fill: the size of the namespace modes' tmpfs at /sandbox (and of their /tmp and
+# /dev/shm, each its own; envs/forkserver.py's too); elsewhere what `disk_held` may find (the watcher
+# in envs/sandbox.py kills the run past it): RLIMIT_FSIZE bounds each file, not how many.
+MAX_DIR_BYTES = 64 * 1024**2
+MAX_DIR_ENTRIES = 10_000  # more files and dirs than that in a run dir count as over MAX_DIR_BYTES
 
 
 def rlimits(timeout_s: float, nproc: int) -> dict[str, tuple[int, int]]:
@@ -439,6 +444,20 @@ def _process_table() -> dict[int, tuple[str, int, int, int]]:
     return table
 
 
+def _run_processes(table: dict, first: int, uid: int | None) -> set[int]:
+    """`first`, its descendants, its process group and every process of its drawn `uid`."""
+    children: dict[int, list[int]] = {}
+    for pid, (_, ppid, _, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    run, todo = {first}, [first]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in run:
+                run.add(child)
+                todo.append(child)
+    return run | {pid for pid, (_, _, pgrp, owner) in table.items() if pgrp == first or owner == uid}
+
+
 def kill_run(first: int, uid: int | None) -> dict[int, str]:
     """SIGKILL every process of a run but its first process `first` (whose pid is its process group):
     the descendants of `first` (a subreaper: a setsid() or double-fork daemon of the run comes back to
@@ -446,17 +465,7 @@ def kill_run(first: int, uid: int | None) -> dict[int, str]:
     state before the kill ("Z": a zombie, gone with its reaper). `first` goes last, once none is left
     alive: killed before, it would hand what is left to init."""
     table = _process_table()
-    children: dict[int, list[int]] = {}
-    for pid, (_, ppid, _, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    run, todo = set(), [first]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in run:
-                run.add(child)
-                todo.append(child)
-    run |= {pid for pid, (_, _, pgrp, owner) in table.items() if pgrp == first or owner == uid}
-    run.discard(first)
+    run = _run_processes(table, first, uid) - {first}
     # Their process groups first, each in one call that a fork cannot slip past (a fork bomb): a group
     # lies within the session it was made in, and every session here is the run's but `first`'s own.
     for kill, ids in ((os.killpg, {table[pid][2] for pid in run} - {first}), (os.kill, run)):
@@ -466,6 +475,78 @@ def kill_run(first: int, uid: int | None) -> dict[int, str]:
             except OSError:
                 pass
     return {pid: table[pid][0] for pid in run}
+
+
+def dir_bytes(run_dir: str, max_entries: int = MAX_DIR_ENTRIES) -> int | None:
+    """The disk the files and dirs below `run_dir` take (allocated blocks: a sparse file counts what it
+    holds), each inode once; None where that cannot be told: a dir the code made unreadable to us, or
+    more than `max_entries` entries (empty files take inodes and time to count). One that vanishes as
+    we look (the code deleted it) counts nothing."""
+    total, seen, todo = 0, set(), [run_dir]
+    while todo:
+        try:
+            with os.scandir(todo.pop()) as entries:
+                for entry in entries:
+                    if len(seen) >= max_entries:
+                        return None
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    if (st.st_dev, st.st_ino) not in seen:
+                        seen.add((st.st_dev, st.st_ino))
+                        total += st.st_blocks * 512
+                    if entry.is_dir(follow_symlinks=False):
+                        todo.append(entry.path)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return None
+    return total
+
+
+def deleted_bytes(first: int, uid: int | None) -> int | None:
+    """The disk that files deleted while still open or mapped take, held by the processes of a run
+    (`first`, its descendants, its process group and its drawn `uid`, as `kill_run` finds them): gone
+    from its dir, not from the disk. None where a process's files cannot be read (it made itself
+    non-dumpable). memfds are memory (the memory cgroup's), not disk."""
+    run = _run_processes(_process_table(), first, uid)
+    sizes: dict[tuple[int, int], int] = {}
+    for pid in run:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.endswith(" (deleted)") and not target.startswith("/memfd:"):
+                        st = os.stat(f"/proc/{pid}/fd/{fd}")
+                        sizes[st.st_dev, st.st_ino] = st.st_blocks * 512
+                except FileNotFoundError:  # closed meanwhile
+                    pass
+            # A mapping outlives its fd: "start-end perms offset dev inode path (deleted)"; what is
+            # mapped, up to RLIMIT_FSIZE, is the most of the file it can have written.
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    if line.endswith(" (deleted)\n") and " /memfd:" not in line:
+                        span, _, offset, dev, inode = line.split(maxsplit=5)[:5]
+                        lo, hi = (int(x, 16) for x in span.split("-"))
+                        major, minor = (int(x, 16) for x in dev.split(":"))
+                        key = (os.makedev(major, minor), int(inode))  # as the fd's stat has it
+                        sizes[key] = max(sizes.get(key, 0), int(offset, 16) + hi - lo)
+        except (FileNotFoundError, ProcessLookupError):  # exited meanwhile
+            continue
+        except OSError:
+            if _exiting(pid):  # a process on its way out refuses these reads, and holds nothing for long
+                continue
+            return None
+    return sum(sizes.values())
+
+
+def _exiting(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in "ZXx"
+    except (OSError, IndexError):
+        return True
 
 
 def user_process_count() -> int:

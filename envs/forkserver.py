@@ -23,6 +23,7 @@ with A's tmpfs. Two forks per call, not three: each copies the page tables of a 
 """
 
 import ctypes
+import errno
 import gc
 import json
 import os
@@ -125,7 +126,8 @@ def mkdirs(path: str) -> None:
 
 def fresh_tmpfs(hidden: dict) -> None:
     """A fresh tmpfs at /sandbox, /tmp and /dev/shm, with the binds in `hidden` moved from below the
-    old ones to below the new (by way of /sandbox) and its symlinks made again."""
+    old ones to below the new (by way of /sandbox) and its symlinks made again. 64 MiB each: the disk
+    cap of every run (envs/confine.py: MAX_DIR_BYTES; this file imports nothing of the project)."""
     mount("tmpfs", "/sandbox", "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=1777")
     binds = [(p, f"/sandbox/{i}", os.path.isdir(p)) for i, p in enumerate(hidden["binds"])]
     for path, hold, is_dir in binds:
@@ -156,7 +158,10 @@ def call(req: dict, out_fd: int, status_fd: int, hidden: dict) -> None:
         os.chown("/sandbox", uid, uid)
         with open("/sandbox/main.py", "w", encoding="utf-8", errors="replace") as f:
             f.write(req["code"])
-        b = os.fork()
+        try:
+            b = os.fork()
+        except OSError as e:
+            raise RuntimeError(fork_failure(e)) from None
         if b == 0:  # B
             os.close(status_fd)
             run_code(req, out_fd)
@@ -170,14 +175,22 @@ def call(req: dict, out_fd: int, status_fd: int, hidden: dict) -> None:
             os.kill(b, signal.SIGKILL)
         status = os.waitstatus_to_exitcode(os.waitpid(b, 0)[1])
     except BaseException as e:
+        error = str(e) if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}"
         try:
-            os.write(status_fd, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+            os.write(status_fd, json.dumps({"error": error}).encode())
         finally:
             os._exit(1)
     try:
         os.write(status_fd, json.dumps({"status": status, "timed_out": timed_out}).encode())
     finally:  # a caller that gave up has closed its end: EPIPE
         os._exit(0)
+
+
+def fork_failure(e: OSError) -> str:
+    """A call's error when no process could be forked for it."""
+    if e.errno == errno.EAGAIN:  # pids.max of the sandbox cgroup, or RLIMIT_NPROC
+        return "no process could be started (process limit reached: other runs hold every process)"
+    return f"no process could be started ({e.strerror})"
 
 
 def serve(fd: int, hidden: dict) -> None:
@@ -195,7 +208,15 @@ def serve(fd: int, hidden: dict) -> None:
             for f in fds:
                 os.close(f)
             continue
-        if os.fork() == 0:
+        try:
+            pid = os.fork()
+        except OSError as e:  # the pids cgroup is full (other calls' fork bombs): this call fails, not us
+            try:
+                os.write(fds[1], json.dumps({"error": fork_failure(e)}).encode())
+            except OSError:  # a caller that gave up
+                pass
+            pid = -1
+        if pid == 0:
             sock.close()
             call(json.loads(msg), *fds, hidden)
         for f in fds:

@@ -17,11 +17,13 @@ Isolation modes, the strongest that works here is probed once per process (`isol
 - "root-ns" (root with CAP_SYS_ADMIN): new pid, net and mount namespaces (`unshare`). A root shell,
   pid 1 of the namespace, assembles a minimal root from read-only binds (/usr, /bin, /lib*, the Python
   install, the venv), the four harmless devices, an empty private /tmp and /dev/shm, a /proc of the
-  namespace, and the run dir at /sandbox; enters it with pivot_root (the old root is detached, so the
-  checkout, datasets, runs/, /root and /home do not exist for the code) and runs the code as an
-  unprivileged uid drawn per run from 2^30 unused uids (RLIMIT_NPROC then counts only that run; root
-  ignores it). When the code exits, the namespace dies and the kernel kills whatever it left behind.
-  No interface is up in the net namespace; the trainer's pids do not exist in the pid namespace.
+  namespace, and a 64 MiB tmpfs at /sandbox holding a copy of main.py (the host's run dir, on its disk,
+  is never the code's: RLIMIT_FSIZE bounds a file, not how many); enters it with pivot_root (the old
+  root is detached, so the checkout, datasets, runs/, /root and /home do not exist for the code) and
+  runs the code as an unprivileged uid drawn per run from 2^30 unused uids (RLIMIT_NPROC then counts
+  only that run; root ignores it). When the code exits, the namespace dies and the kernel kills
+  whatever it left behind. No interface is up in the net namespace; the trainer's pids do not exist in
+  the pid namespace.
 - "user-ns" (not root, or root without CAP_SYS_ADMIN, where unprivileged user namespaces work): the
   same namespaces and minimal root inside a user namespace. As root, we write its uid and gid maps
   (`_map_ids`) and the code runs as a drawn uid, as in root-ns. Not root, the code runs as the
@@ -32,7 +34,9 @@ Isolation modes, the strongest that works here is probed once per process (`isol
   root with every capability dropped); not root, as our uid. seccomp denies sockets, ptrace and
   signals outside the run's process group; Landlock, where the kernel has it, limits the files to the
   Python install (read) and the run dir. Without Landlock and not root, the code can read whatever our
-  uid can, /proc/<trainer>/environ included: `isolation_gaps` says so and the trainer refuses.
+  uid can, /proc/<trainer>/environ included; as capability-less root, every root-owned file:
+  `isolation_gaps` says so and the trainer refuses. The run dir lies on the machine's disk: a watcher
+  thread (`_watch_disk`) kills a run that holds more than confine.MAX_DIR_BYTES there.
 - "none": rlimits, a new session and the process-group kill only.
 
 Without a pid namespace (seccomp, none) the run's first process is a child subreaper (`_REAPER`): the
@@ -41,7 +45,9 @@ Every mode: wall clock (`timeout_s`, then SIGKILL to every process of the run: t
 first process, its group and, where it drew one, its uid), RLIMIT_AS/CPU/FSIZE/NOFILE/CORE per
 process, and one memory and one pids cgroup (v2, or v1) for all runs together where one can be made
 (envs/confine.py): the pids limit bounds a fork bomb where RLIMIT_NPROC does not (uid 0); a run the
-kernel OOM-kills says so in its `error`. A run cancelled mid-way is killed the same way.
+kernel OOM-kills says so in its `error`. A run cancelled mid-way is killed the same way. Disk: 64 MiB
+(confine.MAX_DIR_BYTES) per tmpfs in the namespace modes (ENOSPC past it); elsewhere `_watch_disk`
+kills the run past it, with one poll interval's writing beyond (docs/sandbox.md).
 """
 
 import asyncio
@@ -101,11 +107,12 @@ def _hidden_by_fresh_tmpfs() -> dict:
 
 
 @functools.cache
-def _ns_prologue(bind_run: bool = True) -> str:
-    """Shell run as root in the new namespaces. $1 = the run's base dir (run/ = the code's dir, bound at
-    /sandbox if `bind_run`; root/ = an empty mount point; unused once the command runs); the rest = the
-    command that drops privileges and runs python, as pid 1's child (pid 1 stays a root shell the code
-    cannot kill; when it exits the namespace dies)."""
+def _ns_prologue(cold: bool = True) -> str:
+    """Shell run as root in the new namespaces. $1 = the run's base dir (run/main.py = the code, copied
+    into a fresh tmpfs at /sandbox if `cold`: the fork server makes one per call; root/ = an empty mount
+    point; unused once the command runs); $2 = the uid that owns /sandbox; the rest = the command that
+    drops privileges and runs python, as pid 1's child (pid 1 stays a root shell the code cannot kill;
+    when it exits the namespace dies)."""
     binds, links = confine.visible_paths()
     q = shlex.quote
     files = [p for p in binds if not os.path.isdir(p)]
@@ -126,7 +133,13 @@ def _ns_prologue(bind_run: bool = True) -> str:
     lines += [f'ln -s {q(target)} "$R"{q(link)}' for link, target in sorted(links.items())]
     lines += [f'mount -o bind,ro,nosuid,nodev {q(p)} "$R"{q(p)}' for p in binds]
     lines += [f'mount -o bind /dev/{d} "$R/dev/{d}"' for d in DEVICES]
-    lines += [f'mount -o bind,nosuid,nodev "$1/run" "$R{RUN_DIR_INSIDE}"'] * bind_run
+    # The code's dir is a tmpfs of the warm path's size, not the host's run dir: that lies on the
+    # machine's disk, where RLIMIT_FSIZE bounds each file but not how many (640 MiB in 0.2 s seen).
+    lines += [
+        f"mount -t tmpfs -o size={confine.MAX_DIR_BYTES >> 20}m,mode=755,uid=$2,gid=$2,nosuid,nodev"
+        f' sandbox-run "$R{RUN_DIR_INSIDE}"',
+        f'cp "$1/run/main.py" "$R{RUN_DIR_INSIDE}/main.py"',
+    ] * cold
     lines += [
         'mount -t proc -o nosuid,nodev,noexec proc "$R/proc"',
         'mount -o remount,bind,ro,nosuid,nodev "$R"',
@@ -134,7 +147,7 @@ def _ns_prologue(bind_run: bool = True) -> str:
         f"{shutil.which('pivot_root')} . .",  # the old root ends up stacked under the new one ...
         "umount -l .",  # ... and is detached here: nothing outside the minimal root is reachable
         f"cd {RUN_DIR_INSIDE}",
-        "shift",
+        "shift 2",
         '"$@"; exit $?',
     ]
     return "\n".join(lines)
@@ -166,7 +179,8 @@ def _command(mode: str, base: str, uid: int, server_fd: int | None = None, reape
         pdeathsig = [shutil.which("setpriv"), "--pdeathsig=KILL", "--"]
         python = ["/bin/sh", "-c", _REAPER, sys.executable, shutil.which("setsid"), "-w", *pdeathsig, *python]
     ns = ["unshare", "--net", "--pid", "--fork", "--kill-child", "--mount", "--propagation", "private"]
-    shell = ["/bin/sh", "-c", _ns_prologue(server_fd is None), "sh", base]
+    owner = str(uid if _draws_uid(mode) else 0)  # user-ns as a plain user: the namespace's root, us
+    shell = ["/bin/sh", "-c", _ns_prologue(server_fd is None), "sh", base, owner]
     user = []
     if _draws_uid(mode):
         drop = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs", "--"]
@@ -318,8 +332,15 @@ def isolation_gaps() -> list[str]:
     mode = isolation_mode()
     if mode == "none":
         return ["network access", "reading the trainer's environment", "signalling the trainer"]
-    if mode == "seccomp" and os.geteuid() != 0 and not confine.landlock_ruleset_rights()[1]:
-        return ["reading the trainer's environment (/proc/<pid>/environ: same uid, and no Landlock)"]
+    if mode == "seccomp" and not confine.landlock_ruleset_rights()[1]:
+        if os.geteuid() != 0:
+            return ["reading the trainer's environment (/proc/<pid>/environ: same uid, and no Landlock)"]
+        if not _draws_uid(mode):  # uid 0 without capabilities still owns every root-owned file
+            return [
+                "reading and writing every root-owned file, /etc/shadow included (the code runs as "
+                "root without capabilities, and no Landlock: use a kernel with Landlock, or a Python "
+                "install that other users can reach, e.g. in /usr/local, not below /root)"
+            ]
     return []
 
 
@@ -443,6 +464,7 @@ async def run_python(
     reaper, owner = _reaps(mode, budget), uid if _draws_uid(mode) else None
     ours, theirs = socket.socketpair() if _maps_ids(mode) or reaper else (None, None)
     limits = (timeout_s, _nproc(mode), confine.cgroup_procs(budget), _unbounded(mode, budget))
+    full, stopped = asyncio.Event(), threading.Event()  # the disk watcher's: over the cap; stop watching
     try:
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -460,10 +482,27 @@ async def run_python(
                 theirs.close()
         if _maps_ids(mode):
             await asyncio.to_thread(_map_ids, proc.pid, ours)
+        if mode in ("seccomp", "none"):  # the run dir lies on the machine's disk, not in a tmpfs
+            on_full = functools.partial(_call_soon, asyncio.get_running_loop(), full.set)
+            args = (run_dir, proc.pid, owner, stopped, on_full)
+            threading.Thread(target=_watch_disk, args=args, daemon=True, name="sandbox-disk").start()
         drain = asyncio.ensure_future(_drain(proc.stdout, max_output_bytes))
+        ended = asyncio.ensure_future(_reaper_status(ours) if reaper else proc.wait())
+        filled = asyncio.ensure_future(full.wait())
         try:
-            status = await asyncio.wait_for(_reaper_status(ours) if reaper else proc.wait(), timeout_s)
-        except TimeoutError:
+            done, _ = await asyncio.wait({ended, filled}, timeout=timeout_s, return_when="FIRST_COMPLETED")
+        finally:
+            ended.cancel()
+            filled.cancel()
+        if ended in done:
+            status = ended.result()
+        elif filled in done:
+            status = 128 + signal.SIGKILL  # what the reaper would report of it
+            error = (
+                f"wrote more than {confine.MAX_DIR_BYTES >> 20} MiB (or {confine.MAX_DIR_ENTRIES} files) "
+                "to disk: killed (the sandbox's disk cap)"
+            )
+        else:
             timed_out = True
         await _end_run(proc, owner, ours if reaper else None)
         try:
@@ -474,6 +513,7 @@ async def run_python(
     except (OSError, subprocess.SubprocessError) as e:
         error = f"sandbox failed to start: {e}"
     finally:
+        stopped.set()
         if proc is not None and proc.returncode is None:  # cancelled: the run ends here all the same
             # With the reaper too: killed first, it would hand the run's processes to init, out of reach.
             await _end_run(proc, owner, ours if reaper else None)
@@ -485,6 +525,35 @@ async def run_python(
     return _result(
         start, (head, tail, total), exit_code, timed_out, error, timeout_s, oom, memory_budget_bytes
     )
+
+
+DISK_POLL_S = 0.01  # how often `_watch_disk` measures a run dir (~20 µs for a few files)
+DELETED_POLL_EVERY = 10  # ... and every so many times the deleted files it holds (a process table: ~3 ms)
+
+
+def _watch_disk(run_dir: str, first: int, uid: int | None, stopped: threading.Event, on_full) -> None:
+    """Modes seccomp and none, in a thread of its own until `stopped`: the run dir lies on the
+    machine's disk (no tmpfs can be mounted), where RLIMIT_FSIZE bounds each file but not how many
+    (640 MiB in 0.2 s were seen). Calls `on_full` once the run holds more than MAX_DIR_BYTES, or what
+    it holds cannot be told (`confine.dir_bytes`, `confine.deleted_bytes`); the run is then killed."""
+    polls, unknown = 0, 0
+    while not stopped.wait(DISK_POLL_S):
+        held = confine.dir_bytes(run_dir)
+        if held is not None and (polls % DELETED_POLL_EVERY == 0 or unknown):
+            deleted = confine.deleted_bytes(first, uid)
+            # A process in an exec or on its way out refuses these reads for a moment (seen: one poll
+            # in ~50 runs); one that stays unreadable (made itself non-dumpable) is "cannot tell".
+            unknown = unknown + 1 if deleted is None else 0
+            held = None if unknown >= 3 else held + (deleted or 0)
+        polls += 1
+        if not stopped.is_set() and (held is None or held > confine.MAX_DIR_BYTES):
+            on_full()
+            return
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop is closed: its run is over anyway
+        loop.call_soon_threadsafe(callback)
 
 
 def _result(start, output, exit_code, timed_out, error, timeout_s, oom, budget) -> SandboxResult:

@@ -554,12 +554,38 @@ ATTACKS = {
         "except OSError as e: print('no fork', e)\n"
         "print('detached')"
     ),
+    # The disk: RLIMIT_FSIZE bounds each file (16 MiB), not how many; 40 of them are 640 MiB. Written
+    # to the run dir, and written then unlinked while kept open (gone from the dir, not from the disk).
+    "disk": (
+        "chunk, n = b'x' * (1 << 20), 0\ntry:\n    for i in range(40):\n"
+        "        with open(f'disk{i}', 'wb') as f:\n            for _ in range(16): f.write(chunk)\n"
+        "        n += 16; print('MiB', n, flush=True)\n"
+        "except OSError as e: print('stopped', e.strerror)\nprint('disk done')"
+    ),
+    "disk-unlinked": (
+        "import os, time\nchunk, n, kept = b'x' * (1 << 20), 0, []\ntry:\n    for i in range(40):\n"
+        "        f = open(f'disk{i}', 'wb'); kept.append(f); os.unlink(f'disk{i}')\n"
+        "        for _ in range(16): f.write(chunk)\n"
+        "        f.flush(); n += 16; print('MiB', n, flush=True)\n"
+        "except OSError as e: print('stopped', e.strerror)\ntime.sleep(1)\nprint('disk done')"
+    ),
+    # Not an attack: what the disk cap must leave alone (a few files and a dir, 20 MiB in all).
+    "small-writes": (
+        "import os\nos.mkdir('d')\nfor i in range(20): open(f'd/{i}', 'wb').write(os.urandom(1 << 20))\n"
+        "print('small', sum(os.path.getsize(f'd/{i}') for i in range(20)) >> 20)"
+    ),
 }
+# How far past the disk cap (64 MiB) a run may get where no tmpfs bounds it (modes seccomp, none): what
+# it writes between two of the watcher's looks (80-112 MiB seen in all at ~3 GiB/s, one run alone;
+# 256-304 MiB for files unlinked while open, looked for four times a second).
+DISK_WRITTEN_MAX_MIB = 512
 # A call cancelled while its code and a child of it run (a rollout's sibling tool call failing, the
 # rollout stopping): the child must not outlive the call.
 CANCELLED = (
     "import ctypes, os, time\n"
-    "if os.fork() == 0:\n"
+    "try: pid = os.fork()\n"
+    "except OSError as e: print('no fork', e); raise SystemExit\n"  # where the code may not fork at all
+    "if pid == 0:\n"
     "    ctypes.CDLL(None).prctl(15, b'sbx-cancelled', 0, 0, 0)  # PR_SET_NAME\n"
     "time.sleep(3600)"
 )
@@ -683,14 +709,17 @@ def attack_suite(port: int) -> dict:
         return await asyncio.gather(*(sandbox.run(c, timeout_s=120) for c in codes))
 
     async def cancelled(sandbox) -> list[str]:
-        """Cancel a call once its child runs: the child if it outlived the call (killed then), or
-        'never ran'."""
+        """Cancel a call once its child runs: the child if it outlived the call (killed then); nothing
+        where the code may not fork; else what the call said without its child running."""
         call = asyncio.ensure_future(sandbox.run(CANCELLED, timeout_s=120))
         deadline = time.monotonic() + 60
         while not (seen := any("sbx-cancelled" in p for p in detached_processes())) and not call.done():
             if time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.05)
+        if call.done() and not seen:
+            output = call.result().output + call.result().error
+            return [] if output.startswith("no fork") else [f"ended without its child: {output[-300:]}"]
         call.cancel()
         # An orphan holding the output pipe would keep the cancelled call waiting on it for ever.
         done, _ = await asyncio.wait({call}, timeout=30)
@@ -701,7 +730,7 @@ def attack_suite(port: int) -> dict:
         with contextlib.suppress(asyncio.CancelledError):
             await call
         hung = [] if done else ["the call went on 30 s after its cancel"]
-        return hung + left if seen else ["never ran"]
+        return hung + left if seen else ["its child never ran in 60 s"]
 
     outputs, cancels_left = {}, {}
     try:
@@ -754,6 +783,15 @@ def check_attacks(report: dict, listener: socket.socket) -> None:
         assert "checked" in out["readonly"] and "WROTE" not in out["readonly"], out["readonly"]
         assert "signalled" in out["signal"], out["signal"]
         assert "detached" in out["daemon"] or "no fork" in out["daemon"], out["daemon"]
+        assert out["small-writes"] == "small 20\n", out["small-writes"]
+        for disk in ("disk", "disk-unlinked"):
+            written = [int(line.split()[1]) for line in out[disk].splitlines() if line.startswith("MiB ")]
+            if report["mode"] in ("root-ns", "user-ns"):  # the tmpfs at /sandbox is full
+                assert "stopped No space left on device" in out[disk], out[disk]
+                assert max(written, default=0) <= 64, out[disk]
+            else:  # the watcher killed it
+                assert "to disk: killed (the sandbox's disk cap)" in out[disk], out[disk]
+                assert max(written, default=0) <= DISK_WRITTEN_MAX_MIB, out[disk]
         if report["mode"] in ("root-ns", "user-ns"):
             assert "WRITABLE-MOUNT" not in out["readonly"], out["readonly"]
         else:  # in the namespace modes the pids seen are the run's own namespace
@@ -876,6 +914,10 @@ def test_attacks_in_every_mode(name, checkout, checkouts, listener):
     assert p.returncode == 0, p.stderr[-3000:]
     report = json.loads(p.stdout.splitlines()[-1])
     print(name, checkout, json.dumps(report["bombs"]))  # the figures for README (pytest -s)
+    for path in ("warm", "cold"):  # ... and docs/sandbox.md's: MiB written before the stop
+        print(
+            name, checkout, path, [report["outputs"][f"{path}/{d}"][-120:] for d in ("disk", "disk-unlinked")]
+        )
     assert report["mode"] == expected_mode, report
     assert report["gaps"] == [], report["gaps"]
     if expected_mode == "seccomp":  # the start-up line's Landlock part: all of that ABI applied
@@ -912,6 +954,95 @@ def test_trainer_refuses_a_sandbox_that_cannot_contain(tmp_path):
         "sandbox isolation 'none' cannot stop network access, reading the trainer's environment"
     )
     assert "--unsafe-sandbox" in last
+
+
+def test_trainer_refuses_root_without_capabilities_or_landlock(tmp_path):
+    """Mode seccomp as root where the code cannot run as a drawn uid (the Python install lies below a
+    directory others cannot enter: /root here) on a kernel without Landlock (< 5.13, or left out of
+    lsm=; the ABI it reports, 0, is the one thing faked): the code runs as uid 0 without capabilities,
+    which still owns every root-owned file. The trainer refuses and names the ways out; with the install
+    where others reach it (a drawn uid's permissions only) nothing is refused."""
+    import json
+    import subprocess
+
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv to drop CAP_SYS_ADMIN")
+    if confine.python_reachable_by_others():
+        pytest.skip("needs the Python install below a directory others cannot enter")
+    no_landlock = (
+        "from tests.test_sandbox import deny_user_namespaces, isolation_mode\nfrom envs import confine\n"
+        "deny_user_namespaces()\nconfine.landlock_abi = lambda: 0  # a kernel without Landlock\n"
+        "confine.landlock_ruleset_rights.cache_clear(); isolation_mode.cache_clear()\n"
+    )
+    argv = ["--model", "models/tiny", "--env", "retool", "--output-dir", str(tmp_path), "--max-steps", "1"]
+    trainer = no_landlock + (
+        f"import sys, runpy\nsys.argv = ['train_async_grpo.py', *{argv!r}]\n"
+        "runpy.run_path('train_async_grpo.py', run_name='__main__')"
+    )
+    cmd = ["setpriv", *NO_SYS_ADMIN, "--", sys.executable, "-c", trainer]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert "sandbox isolation: seccomp; Landlock ABI 0: not applied" in p.stdout, p.stdout
+    last = p.stderr.strip().splitlines()[-1]
+    gap = "reading and writing every root-owned file"
+    assert last.startswith(f"sandbox isolation 'seccomp' cannot stop {gap}"), last
+    assert "a kernel with Landlock" in last and "/usr/local" in last and "--unsafe-sandbox" in last, last
+    # The same kernel with the install reachable: the code runs as a drawn uid, and no gap is reported.
+    gaps = no_landlock + "from envs.sandbox import isolation_gaps, _draws_uid\n"
+    gaps += "import json; print(json.dumps([isolation_mode(), _draws_uid('seccomp'), isolation_gaps()]))"
+    shell = expose_python_shell(REPO) + '\nexec "$@"'
+    cmd = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", shell, "sh"]
+    cmd += ["setpriv", *NO_SYS_ADMIN, "--", sys.executable, "-c", gaps]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout.splitlines()[-1]) == ["seccomp", True, []], p.stdout
+
+
+@needs_ns
+def test_fork_server_outlives_a_full_process_limit():
+    """Fork bombs in concurrent warm calls fill the pids cgroup (here of 64), so the fork server's own
+    fork for the next call fails: that call fails alone, with one clear line, and the same server
+    serves the calls after the bombs (it used to die of the BlockingIOError, failing every call in
+    flight with 'no reply')."""
+    import json
+    import subprocess
+
+    script = (
+        "import asyncio, json, os, time\nfrom envs import confine\n"
+        "confine.MAX_PIDS = 64  # read as the cgroup is made, on the first call\n"
+        "from envs import sandbox as s\n"
+        "BOMB = 'import os, time\\nwhile True:\\n    try: os.fork()\\n    except OSError: time.sleep(0.01)'\n"
+        "async def main():\n"
+        "    sb = s.Sandbox(4)\n"
+        "    first = await sb.run('print(1)', timeout_s=30)\n"
+        "    cgroup = confine.pids_cgroup(s.MEMORY_BUDGET_BYTES)\n"
+        "    if cgroup is None or sb._server is None: return None\n"
+        "    server = sb._server.proc.pid\n"
+        "    bombs = asyncio.gather(*(sb.run(BOMB, timeout_s=4) for _ in range(3)))\n"
+        "    current = lambda: int(open(os.path.join(cgroup[0], 'pids.current')).read())\n"
+        "    deadline = time.monotonic() + 3\n"
+        "    while current() < 64 and time.monotonic() < deadline: await asyncio.sleep(0.02)\n"
+        "    full = current()\n"
+        "    innocent = await sb.run('print(2)', timeout_s=30)\n"
+        "    bombs = await bombs\n"
+        "    after = await sb.run(\"import sys; print('numpy' in sys.modules)\", timeout_s=30)\n"
+        "    alive = sb._server.proc.pid == server and sb._server.proc.poll() is None\n"
+        "    sb.close()\n"
+        "    return [first.output, full, innocent.output + innocent.error,\n"
+        "            [b.error for b in bombs], after.output + after.error, alive]\n"
+        "print(json.dumps(asyncio.run(main())))"
+    )
+    p = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = json.loads(p.stdout.splitlines()[-1])
+    if report is None:
+        pytest.skip("no pids cgroup can be made here")
+    first, full, innocent, bombs, after, alive = report
+    assert first == "1\n" and full >= 64, report  # the cgroup was full as the innocent call came
+    limit = "no process could be started (process limit reached: other runs hold every process)"
+    assert innocent == f"sandbox fork server failed the call: {limit}", report
+    assert all(bombs), report  # each bomb ended in its own error (timed out)
+    assert after == "True\n" and alive, report  # warm, through the same server
 
 
 def deny_user_namespaces() -> None:
