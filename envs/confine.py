@@ -272,8 +272,8 @@ MAX_FILE_BYTES = 16 * 1024**2  # RLIMIT_FSIZE: largest file the code may write
 MAX_OPEN_FILES = 128  # RLIMIT_NOFILE
 MAX_PIDS = 512  # pids.max: processes and threads of all live runs and the fork server together
 # The disk a run may fill: the size of the namespace modes' tmpfs at /sandbox (and of their /tmp and
-# /dev/shm, each its own; envs/forkserver.py's too); elsewhere what `disk_held` may find (the watcher
-# in envs/sandbox.py kills the run past it): RLIMIT_FSIZE bounds each file, not how many.
+# /dev/shm, each its own; envs/forkserver.py's too); elsewhere what `dir_bytes` and `deleted_bytes` may
+# find (the watcher in envs/sandbox.py kills the run past it): RLIMIT_FSIZE bounds each file, not how many.
 MAX_DIR_BYTES = 64 * 1024**2
 MAX_DIR_ENTRIES = 10_000  # more files and dirs than that in a run dir count as over MAX_DIR_BYTES
 
@@ -507,7 +507,7 @@ def dir_bytes(run_dir: str, max_entries: int = MAX_DIR_ENTRIES) -> int | None:
 
 def deleted_bytes(first: int, uid: int | None) -> int | None:
     """The disk that files deleted while still open or mapped take, held by the processes of a run
-    (`first`, its descendants, its process group and its drawn `uid`, as `kill_run` finds them): gone
+    (`_run_processes`: `first`, its descendants, its process group and its drawn `uid`): gone
     from its dir, not from the disk. None where a process's files cannot be read (it made itself
     non-dumpable). memfds are memory (the memory cgroup's), not disk."""
     run = _run_processes(_process_table(), first, uid)
