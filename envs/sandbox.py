@@ -435,6 +435,22 @@ async def _end_run(proc: asyncio.subprocess.Process, uid: int | None, reaper: so
         await asyncio.sleep(0.005)
 
 
+async def _spawn(argv: list[str], theirs: socket.socket | None, **kwargs) -> asyncio.subprocess.Process:
+    """Start a cold run: its stdin is `theirs` (closed here, once the child has its copy) or nothing."""
+    try:
+        return await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=theirs.fileno() if theirs else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+            **kwargs,
+        )
+    finally:
+        if theirs:
+            theirs.close()
+
+
 def _signal_kill(proc: asyncio.subprocess.Process) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # start_new_session: the group id is the pid
@@ -465,21 +481,20 @@ async def run_python(
     ours, theirs = socket.socketpair() if _maps_ids(mode) or reaper else (None, None)
     limits = (timeout_s, _nproc(mode), confine.cgroup_procs(budget), _unbounded(mode, budget))
     full, stopped = asyncio.Event(), threading.Event()  # the disk watcher's: over the cap; stop watching
+    spawn = asyncio.ensure_future(
+        _spawn(
+            _command(mode, base, uid, reaper=reaper),
+            theirs,
+            cwd=run_dir,
+            env=_env(mode, base),
+            preexec_fn=functools.partial(_preexec, mode, run_dir, *limits),
+        )
+    )
     try:
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *_command(mode, base, uid, reaper=reaper),
-                cwd=run_dir,
-                env=_env(mode, base),
-                stdin=theirs.fileno() if theirs else asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=functools.partial(_preexec, mode, run_dir, *limits),
-            )
-        finally:
-            if theirs:
-                theirs.close()
+        # Shielded: asyncio kills a process whose start is cancelled (its first process alone), which
+        # hands the code's processes to init, out of reach, past every deadline. It starts; the run
+        # is then ended below as any cancelled run is.
+        proc = await asyncio.shield(spawn)
         if _maps_ids(mode):
             await asyncio.to_thread(_map_ids, proc.pid, ours)
         if mode in ("seccomp", "none"):  # the run dir lies on the machine's disk, not in a tmpfs
@@ -514,6 +529,9 @@ async def run_python(
         error = f"sandbox failed to start: {e}"
     finally:
         stopped.set()
+        if proc is None and not spawn.cancelled():  # cancelled while it started
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                proc = await spawn
         if proc is not None and proc.returncode is None:  # cancelled: the run ends here all the same
             # With the reaper too: killed first, it would hand the run's processes to init, out of reach.
             await _end_run(proc, owner, ours if reaper else None)

@@ -13,7 +13,7 @@ import pytest
 
 from envs import confine
 from envs.confine import MAX_PIDS, ROLLOUT_CPUS_ENV
-from envs.sandbox import MAX_OUTPUT_BYTES, UID_RANGE, Sandbox, isolation_mode, run_python
+from envs.sandbox import MAX_OUTPUT_BYTES, UID_RANGE, Sandbox, _maps_ids, isolation_mode, run_python
 
 ISOLATED = isolation_mode() in ("root-ns", "user-ns")
 needs_ns = pytest.mark.skipif(not ISOLATED, reason=f"isolation mode is {isolation_mode()!r}")
@@ -708,9 +708,26 @@ def attack_suite(port: int) -> dict:
     async def all_attacks(sandbox):
         return await asyncio.gather(*(sandbox.run(c, timeout_s=120) for c in codes))
 
-    async def cancelled(sandbox) -> list[str]:
+    async def cancelled(sandbox, starting: bool = False) -> list[str]:
         """Cancel a call once its child runs: the child if it outlived the call (killed then); nothing
-        where the code may not fork; else what the call said without its child running."""
+        where the code may not fork; else what the call said without its child running. `starting`:
+        the call is cancelled while still starting its process, as on a loaded machine, where the
+        event loop's thread can lose the CPU between the fork and the end of the start long enough for
+        the code to run (faked: held inside Popen until the child runs)."""
+
+        popen = subprocess.Popen
+
+        class HeldPopen(popen):
+            def __init__(self, *args, **kwargs):
+                subprocess.Popen = popen  # this call's start alone
+                super().__init__(*args, **kwargs)
+                deadline = time.monotonic() + 60  # until the child runs, or the run ended without one
+                while not any("sbx-cancelled" in p for p in detached_processes()) and self.poll() is None:
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.01)
+
+        subprocess.Popen = HeldPopen if starting else popen  # asyncio's transports start through it
         call = asyncio.ensure_future(sandbox.run(CANCELLED, timeout_s=120))
         deadline = time.monotonic() + 60
         while not (seen := any("sbx-cancelled" in p for p in detached_processes())) and not call.done():
@@ -721,6 +738,7 @@ def attack_suite(port: int) -> dict:
             output = call.result().output + call.result().error
             return [] if output.startswith("no fork") else [f"ended without its child: {output[-300:]}"]
         call.cancel()
+        subprocess.Popen = popen
         # An orphan holding the output pipe would keep the cancelled call waiting on it for ever.
         done, _ = await asyncio.wait({call}, timeout=30)
         await asyncio.sleep(0.5)  # what the kernel still has to reap
@@ -738,6 +756,9 @@ def attack_suite(port: int) -> dict:
             for name, r in zip(ATTACKS, asyncio.run(all_attacks(sandbox)), strict=True):
                 outputs[f"{path}/{name}"] = r.output + r.error
             cancels_left[path] = asyncio.run(cancelled(sandbox))
+        # Where we write its uid maps once started (user-ns), the code cannot run before that.
+        starting = not _maps_ids(isolation_mode())
+        cancels_left["starting"] = asyncio.run(cancelled(paths["cold"], starting=True)) if starting else []
         time.sleep(0.5)  # a signal on its way; a daemon naming itself
         alive, detached = sleeper.poll() is None, detached_processes()
     finally:  # a failed test leaves nothing behind either (the sleeper holds the test's output pipe)
@@ -765,7 +786,7 @@ def check_attacks(report: dict, listener: socket.socket) -> None:
     assert report["sleeper_alive"], "the sandbox killed a process of ours"
     assert report["signals"] == [], f"signals reached us: {report['signals']}"
     assert report["detached"] == [], f"processes outlived their run: {report['detached']}"
-    assert report["cancels_left"] == {"warm": [], "cold": []}, (
+    assert report["cancels_left"] == {"warm": [], "cold": [], "starting": []}, (
         f"outlived a cancelled call: {report['cancels_left']}"
     )
     with pytest.raises(BlockingIOError):
