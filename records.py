@@ -5,8 +5,8 @@ The invariant (slime PR 1861 found four ways to break it): for every completion,
 `completion_ids`, `behaviour_logprobs` and `loss_mask` have the same length; exactly the tokens the model
 generated have mask 1 and a real logprob; tool and template tokens have mask 0 and logprob 0.0.
 It holds by construction: a `TurnRecord` is frozen and refuses generated ids without one finite logprob
-each, and `RolloutCompletion.add_turn` / `continue_turn` / `append_context` / `trim_to` are the only ways
-tokens enter or leave a completion. The flattened views are derived from the turns, never stored beside them.
+each, and `RolloutCompletion.add_turn` / `continue_turn` / `append_context` are the only ways
+tokens enter a completion. The flattened views are derived from the turns, never stored beside them.
 """
 
 import math
@@ -112,30 +112,6 @@ class RolloutCompletion:
             tool_calls=last.tool_calls + tuple(tool_calls),
             tool_s=last.tool_s + tool_s,
         )
-
-    def trim_to(self, max_completion_len: int) -> int:
-        """Cut the completion to `max_completion_len` tokens, ids/logprobs/mask together; returns the
-        number of tokens removed."""
-        removed = 0
-        while len(self) > max_completion_len:
-            last = self.turns[-1]
-            excess = len(self) - max_completion_len
-            if last.appended_ids:
-                keep = max(0, len(last.appended_ids) - excess)
-                removed += len(last.appended_ids) - keep
-                self.turns[-1] = replace(last, appended_ids=last.appended_ids[:keep])
-            elif excess >= len(last.generated_ids):
-                removed += len(last.generated_ids)
-                self.turns.pop()
-            else:
-                keep = len(last.generated_ids) - excess
-                removed += excess
-                self.turns[-1] = replace(
-                    last,
-                    generated_ids=last.generated_ids[:keep],
-                    generated_logprobs=last.generated_logprobs[:keep],
-                )
-        return removed
 
     # --- flattened views the trainer uses --------------------------------------------------------------
     @property

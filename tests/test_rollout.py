@@ -382,9 +382,9 @@ def test_records_refuse_misaligned_tokens():
     assert c.completion_ids == [1, 2, 7, 8, 9]
     assert c.behaviour_logprobs == [-0.1, -0.2, 0.0, 0.0, 0.0]
     assert c.loss_mask == [1, 1, 0, 0, 0]
-    assert c.trim_to(3) == 2 and c.completion_ids == [1, 2, 7] and c.loss_mask == [1, 1, 0]
-    assert c.trim_to(1) == 2 and c.completion_ids == [1] and c.behaviour_logprobs == [-0.1]
     # a continuation request of the same turn: its ids follow the turn's, back to back
+    c = RolloutCompletion(prompt_len=3, prompt_messages=[])
+    c.add_turn(TurnRecord((1,), (-0.1,), "stop", (0, 0)))
     c.continue_turn(TurnRecord((3,), (-0.3,), "stop", (1, 2)))
     assert c.completion_ids == [1, 3] and c.behaviour_logprobs == [-0.1, -0.3] and c.loss_mask == [1, 1]
     assert len(c.turns) == 1 and c.turns[0].requests == 2 and c.turns[0].model_versions == (0, 2)
