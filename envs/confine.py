@@ -437,7 +437,7 @@ def _process_table() -> dict[int, tuple[str, int, int, int]]:
     for pid in os.listdir("/proc"):
         try:
             if pid.isdigit():
-                state, ppid, pgrp = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[:3]
+                state, ppid, pgrp = _stat(int(pid))[:3]
                 table[int(pid)] = (state, int(ppid), int(pgrp), os.stat(f"/proc/{pid}").st_uid)
         except (OSError, IndexError, ValueError):  # exited meanwhile
             pass
@@ -543,10 +543,16 @@ def deleted_bytes(first: int, uid: int | None) -> int | None:
 
 def _exiting(pid: int) -> bool:
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in "ZXx"
+        return _stat(pid)[0] in "ZXx"
     except (OSError, IndexError):
         return True
+
+
+def _stat(pid: int) -> list[str]:
+    """/proc/<pid>/stat's fields after the name (state, parent pid, process group, ...): the name is
+    the code's to choose, ")" included."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
 
 
 def user_process_count() -> int:
