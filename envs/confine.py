@@ -505,19 +505,14 @@ def dir_bytes(run_dir: str, max_entries: int = MAX_DIR_ENTRIES) -> int | None:
     return total
 
 
-def run_processes(first: int, uid: int | None) -> set[int]:
-    """The processes of a run now: `first`, its descendants, its process group and its drawn `uid`
-    (a process table: ~3 ms)."""
-    return _run_processes(_process_table(), first, uid)
-
-
-def deleted_bytes(pids: set[int]) -> int | None:
-    """The disk that files deleted while still open or mapped take, held by `pids` (`run_processes`):
-    gone from the run's dir, not from the disk. None where a process's files cannot be read (it made
-    itself non-dumpable). memfds are memory (the memory cgroup's), not disk. A pid gone meanwhile
-    holds nothing."""
+def deleted_bytes(first: int, uid: int | None) -> int | None:
+    """The disk that files deleted while still open or mapped take, held by the processes of a run
+    (`_run_processes`: `first`, its descendants, its process group and its drawn `uid`): gone
+    from its dir, not from the disk. None where a process's files cannot be read (it made itself
+    non-dumpable). memfds are memory (the memory cgroup's), not disk."""
+    run = _run_processes(_process_table(), first, uid)
     sizes: dict[tuple[int, int], int] = {}
-    for pid in pids:
+    for pid in run:
         try:
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 try:

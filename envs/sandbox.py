@@ -545,8 +545,8 @@ async def run_python(
     )
 
 
-DISK_POLL_S = 0.01  # how often `_watch_disk` measures a run dir and the deleted files its processes hold
-RUN_POLL_EVERY = 10  # ... and every so many times finds those processes again (a process table: ~3 ms)
+DISK_POLL_S = 0.01  # how often `_watch_disk` measures a run dir (~20 µs for a few files)
+DELETED_POLL_EVERY = 10  # ... and every so many times the deleted files it holds (a process table: ~3 ms)
 
 
 def _watch_disk(run_dir: str, first: int, uid: int | None, stopped: threading.Event, on_full) -> None:
@@ -554,16 +554,11 @@ def _watch_disk(run_dir: str, first: int, uid: int | None, stopped: threading.Ev
     machine's disk (no tmpfs can be mounted), where RLIMIT_FSIZE bounds each file but not how many
     (640 MiB in 0.2 s were seen). Calls `on_full` once the run holds more than MAX_DIR_BYTES, or what
     it holds cannot be told (`confine.dir_bytes`, `confine.deleted_bytes`); the run is then killed."""
-    polls, unknown, run = 0, 0, set()
+    polls, unknown = 0, 0
     while not stopped.wait(DISK_POLL_S):
         held = confine.dir_bytes(run_dir)
-        if held is not None:
-            # Files deleted while open are looked for at every poll, in the processes found at the
-            # last look (one forked since is found at the next): a process table every poll would
-            # take a third of a CPU per run, and looking only every 100 ms let ~500 MiB past the cap.
-            if polls % RUN_POLL_EVERY == 0 or unknown:
-                run = confine.run_processes(first, uid)
-            deleted = confine.deleted_bytes(run)
+        if held is not None and (polls % DELETED_POLL_EVERY == 0 or unknown):
+            deleted = confine.deleted_bytes(first, uid)
             # A process in an exec or on its way out refuses these reads for a moment (seen: one poll
             # in ~50 runs); one that stays unreadable (made itself non-dumpable) is "cannot tell".
             unknown = unknown + 1 if deleted is None else 0
