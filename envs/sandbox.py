@@ -546,23 +546,33 @@ async def run_python(
 
 
 DISK_POLL_S = 0.01  # how often `_watch_disk` measures a run dir (~20 µs for a few files)
-DELETED_POLL_EVERY = 10  # ... and every so many times the deleted files it holds (a process table: ~3 ms)
+DELETED_POLL_EVERY = 10  # ... and at least every so many times the deleted files it holds (~3 ms)
 
 
 def _watch_disk(run_dir: str, first: int, uid: int | None, stopped: threading.Event, on_full) -> None:
     """Modes seccomp and none, in a thread of its own until `stopped`: the run dir lies on the
     machine's disk (no tmpfs can be mounted), where RLIMIT_FSIZE bounds each file but not how many
     (640 MiB in 0.2 s were seen). Calls `on_full` once the run holds more than MAX_DIR_BYTES, or what
-    it holds cannot be told (`confine.dir_bytes`, `confine.deleted_bytes`); the run is then killed."""
-    polls, unknown = 0, 0
+    it holds cannot be told (`confine.dir_bytes`, `confine.deleted_bytes`); the run is then killed.
+    Files deleted while open cost a process table to find: they are looked for every
+    DELETED_POLL_EVERY polls, and sooner once what the run held at the last look plus what its
+    filesystem has grown by since (one statfs a poll, everyone's writes) passes the cap. Space another
+    process frees within the same poll hides as much of the run's writing until the next regular look."""
+    temp_dir = os.path.dirname(os.path.dirname(run_dir))  # run_dir's filesystem; the code cannot remove it
+    polls, unknown, grown, last_used, held_then = 0, 0, 0, None, 0
     while not stopped.wait(DISK_POLL_S):
+        used = confine.fs_used(temp_dir)  # before the dir: a write in between counts twice, never not at all
+        grown += 0 if used is None or last_used is None else max(used - last_used, 0)
+        last_used = used
         held = confine.dir_bytes(run_dir)
-        if held is not None and (polls % DELETED_POLL_EVERY == 0 or unknown):
+        due = polls % DELETED_POLL_EVERY == 0 or unknown or used is None
+        if held is not None and (due or held_then + grown > confine.MAX_DIR_BYTES):
             deleted = confine.deleted_bytes(first, uid)
             # A process in an exec or on its way out refuses these reads for a moment (seen: one poll
             # in ~50 runs); one that stays unreadable (made itself non-dumpable) is "cannot tell".
             unknown = unknown + 1 if deleted is None else 0
             held = None if unknown >= 3 else held + (deleted or 0)
+            grown, held_then = 0, held or 0
         polls += 1
         if not stopped.is_set() and (held is None or held > confine.MAX_DIR_BYTES):
             on_full()
