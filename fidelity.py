@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from distributed import broadcast_message
-from rollout import GenerationError, VLLMClient
+from rollout import VLLM_NEG_INF, GenerationError, VLLMClient
 from sampling import Sampling, request_seed, rescore
 from trainer import sync_weights
 from vllm_server import healthy
@@ -83,14 +83,10 @@ async def probe_server(
     return out
 
 
-# vLLM's OpenAI server sends a −inf logprob as −9999.0 (entrypoints/openai/completion/serving.py:
-# `max(logprob, -9999.0)`, JSON has no −inf): a top-N token outside its truncated set. Read as a real
-# value it is a gap of ~1e4 nats against the trainer's finite one at a top-p boundary.
-VLLM_NEG_INF = -9999.0
-
-
 def from_vllm(logprobs: torch.Tensor) -> torch.Tensor:
-    """vLLM's logprobs with its −inf stand-in read back as −inf."""
+    """vLLM's logprobs with its −inf stand-in read back as −inf: read as a real value, a top-N token
+    outside its truncated set would be a gap of ~1e4 nats against the trainer's finite one at a top-p
+    boundary."""
     return logprobs.masked_fill(logprobs <= VLLM_NEG_INF, -math.inf)
 
 

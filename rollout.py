@@ -53,6 +53,12 @@ class GenerationError(RuntimeError):
     """A request that cannot give a usable turn (retries exhausted, or tokens without logprobs)."""
 
 
+# vLLM's OpenAI server sends a −inf logprob as −9999.0 (entrypoints/openai/completion/serving.py:
+# `max(logprob, -9999.0)`, JSON has no −inf). For a top-N token it means outside the truncated set; for a
+# token it sampled, that its logprobs are not of the distribution it sampled from.
+VLLM_NEG_INF = -9999.0
+
+
 @dataclass
 class Generation:
     ids: list[int]
@@ -245,6 +251,9 @@ class VLLMClient:
             # Never re-tokenize text to recover ids: the whole group is aborted and re-queued instead.
             self.stats.missing_logprobs += 1
             raise GenerationError(f"{url}: response has token ids but no matching logprobs")
+        if any(lp <= VLLM_NEG_INF for lp in logprobs):  # read as a number: a 1e4-nat IS ratio and mismatch
+            self.stats.missing_logprobs += 1
+            raise GenerationError(f"{url}: response gives a token it sampled the logprob −inf (−9999.0)")
         top = None
         if with_top:  # the fidelity probe's: "token_id:N" keys (return_tokens_as_token_ids)
             top_logprobs = choice["logprobs"].get("top_logprobs") or []

@@ -301,6 +301,32 @@ def test_vllm_minus_9999_is_read_as_minus_inf():
     assert gaps["fidelity/max_abs_diff"] < 1e-9 and gaps["fidelity/top_rms_diff"] < 1e-9, gaps
 
 
+def test_a_sampled_token_at_minus_inf_is_no_usable_turn():
+    """A token the server sampled cannot be outside its own truncated set: −9999.0 there means its
+    logprobs are not of the distribution it sampled from. Read as a number it would enter the loss as a
+    1e4-nat importance ratio (capped, but the mismatch metric is not): the client refuses the response,
+    and its group is retried or dropped (test_rollout.py::test_missing_logprobs_requeues_the_whole_group).
+    The response is built by vLLM's own serializer."""
+    import types
+
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    from vllm.logprobs import Logprob
+
+    serving = types.SimpleNamespace(
+        return_tokens_as_token_ids=True, _get_decoded_token=OpenAIServingCompletion._get_decoded_token
+    )
+    top = [{5: Logprob(-0.1, 1)}, {9: Logprob(float("-inf"), 1)}]  # token 9 sampled at −inf
+    encoded = OpenAIServingCompletion._create_completion_logprobs(
+        serving, [5, 9], top, 0, None, return_as_token_id=True
+    )
+    choice = {"token_ids": [5, 9], "logprobs": json.loads(encoded.model_dump_json())}
+    assert choice["logprobs"]["token_logprobs"] == [-0.1, -9999.0]  # what arrives
+    client = VLLMClient(["http://server"], "m")
+    with pytest.raises(GenerationError, match="sampled the logprob −inf"):
+        client._to_generation("http://server", choice)
+    assert client.stats.missing_logprobs == 1
+
+
 def _as_served(model, prompts: list[list[int]], n_tokens: int, sampling: Sampling) -> list:
     """ProbeSamples as a server holding `model`'s weights returns them: greedy completions with their
     processed logprobs and each position's TOP_N (vLLM's fp32 logprobs equal a transformers forward to

@@ -522,6 +522,8 @@ class FakeVLLM:
         choice = {"token_ids": [5] * n, "finish_reason": "length" if n == body["max_tokens"] else "stop"}
         choice["token_ids"][-1] = 2  # <|im_end|>: the turn ends without a tool call
         choice["logprobs"] = None if what == "nologprobs" else {"token_logprobs": [-1.0] * n}
+        if what == "neginf":
+            choice["logprobs"]["token_logprobs"][0] = -9999.0
         return aiohttp.web.json_response({"choices": [choice]})
 
     async def health(self, request):
@@ -705,8 +707,10 @@ def start_worker_on(fake: FakeVLLM, tokenizer, **kw) -> tuple[AsyncRolloutWorker
     return worker, loop
 
 
-def test_missing_logprobs_requeues_the_whole_group(tokenizer):
-    fake = FakeVLLM(["nologprobs", "ok"])
+@pytest.mark.parametrize("what", ["nologprobs", "neginf"])
+def test_missing_logprobs_requeues_the_whole_group(tokenizer, what):
+    """A response without one logprob per token, or with vLLM's −inf (−9999.0) for a token it sampled."""
+    fake = FakeVLLM([what, "ok"])
     worker, loop = start_worker_on(fake, tokenizer)
     try:
         group = worker.queue.get(timeout=20)
