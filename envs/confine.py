@@ -309,14 +309,15 @@ def _cgroup_dir(controller: str) -> tuple[str, str] | None:
 _LIMITS = {
     "memory": (("memory.max", "memory.limit_in_bytes"), ("memory.swap.max", "memory.memsw.limit_in_bytes")),
     "pids": (("pids.max", "pids.max"), None),
+    "cpuset": (("cpuset.cpus", "cpuset.cpus"), None),
 }
 
 
 @functools.cache
-def _sandbox_cgroup(controller: str, budget_bytes: int) -> tuple[str, str] | None:
+def _sandbox_cgroup(controller: str, budget_bytes: int, cpus: str = "") -> tuple[str, str] | None:
     """(directory, version) of this process's cgroup for sandbox runs with `budget_bytes` in the
-    hierarchy of `controller`, made on first use; None where none can be made. Cgroups left by dead
-    processes (a SIGKILLed trainer) are removed here."""
+    hierarchy of `controller` (cpuset: on `cpus`), made on first use; None where none can be made.
+    Cgroups left by dead processes (a SIGKILLed trainer) are removed here."""
     try:
         found = _cgroup_dir(controller)
         if found is None:
@@ -338,7 +339,9 @@ def _sandbox_cgroup(controller: str, budget_bytes: int) -> tuple[str, str] | Non
         d = os.path.join(parent, f"sandbox-{os.getpid()}-{budget_bytes >> 20}m")
         os.makedirs(d, exist_ok=True)
         limit, swap = _LIMITS[controller]
-        value = budget_bytes if controller == "memory" else MAX_PIDS
+        value = {"memory": budget_bytes, "pids": MAX_PIDS, "cpuset": cpus}[controller]
+        if controller == "cpuset" and version == "v1":  # takes no process until its memory nodes are set
+            _write(d, "cpuset.mems", open(os.path.join(parent, "cpuset.mems")).read().strip())
         _write(d, limit[version == "v1"], value)
         if swap:
             _write(d, swap[version == "v1"], 0 if version == "v2" else value, missing_ok=True)
@@ -358,14 +361,24 @@ def pids_cgroup(budget_bytes: int) -> tuple[str, str] | None:
     return _sandbox_cgroup("pids", budget_bytes)
 
 
+def cpuset_cgroup(budget_bytes: int) -> tuple[str, str] | None:
+    """(directory, version) of the cpuset cgroup of sandbox runs with `budget_bytes` on the rollout
+    CPUs ($ASYNC_GRPO_ROLLOUT_CPUS), or None (unset, or none can be made). The runs pin themselves to
+    those CPUs (`pin_to_rollout_cpus`), but the code may widen its own affinity; a cpuset it cannot."""
+    spec = os.environ.get(ROLLOUT_CPUS_ENV)
+    cpus = ",".join(map(str, sorted(parse_cpus(spec)))) if spec else ""  # the kernel's list syntax
+    return _sandbox_cgroup("cpuset", budget_bytes, cpus) if cpus else None
+
+
 def cgroup_procs(budget_bytes: int) -> list[str]:
-    """The cgroup.procs files a sandbox run's first process writes its pid to: the memory budget and
-    the process limit (one file in cgroup v2, two in v1; none where no cgroup can be made)."""
-    dirs = {c[0] for c in (_sandbox_cgroup(k, budget_bytes) for k in _LIMITS) if c is not None}
-    return sorted(os.path.join(d, "cgroup.procs") for d in dirs)
+    """The cgroup.procs files a sandbox run's first process writes its pid to: the memory budget, the
+    process limit and, with rollout CPUs, their cpuset (one file in cgroup v2, one each in v1; none
+    where no cgroup can be made)."""
+    found = [memory_cgroup(budget_bytes), pids_cgroup(budget_bytes), cpuset_cgroup(budget_bytes)]
+    return sorted({os.path.join(c[0], "cgroup.procs") for c in found if c is not None})
 
 
-def _write(d: str, name: str, value: int, missing_ok: bool = False) -> None:
+def _write(d: str, name: str, value: int | str, missing_ok: bool = False) -> None:
     try:
         with open(os.path.join(d, name), "w") as f:
             f.write(str(value))

@@ -47,7 +47,9 @@ process, and one memory and one pids cgroup (v2, or v1) for all runs together wh
 (envs/confine.py): the pids limit bounds a fork bomb where RLIMIT_NPROC does not (uid 0); a run the
 kernel OOM-kills says so in its `error`. A run cancelled mid-way is killed the same way. Disk: 64 MiB
 (confine.MAX_DIR_BYTES) per tmpfs in the namespace modes (ENOSPC past it); elsewhere `_watch_disk`
-kills the run past it, with one poll interval's writing beyond (docs/sandbox.md).
+kills the run past it, with one poll interval's writing beyond (docs/sandbox.md). CPUs: with
+--rollout-cpus the runs pin themselves to those, and a cpuset cgroup, where one can be made, keeps
+code that widens its own affinity on them.
 """
 
 import asyncio

@@ -13,7 +13,15 @@ import pytest
 
 from envs import confine
 from envs.confine import MAX_PIDS, ROLLOUT_CPUS_ENV
-from envs.sandbox import MAX_OUTPUT_BYTES, UID_RANGE, Sandbox, _maps_ids, isolation_mode, run_python
+from envs.sandbox import (
+    MAX_OUTPUT_BYTES,
+    MEMORY_BUDGET_BYTES,
+    UID_RANGE,
+    Sandbox,
+    _maps_ids,
+    isolation_mode,
+    run_python,
+)
 
 ISOLATED = isolation_mode() in ("root-ns", "user-ns")
 needs_ns = pytest.mark.skipif(not ISOLATED, reason=f"isolation mode is {isolation_mode()!r}")
@@ -228,17 +236,26 @@ def test_warm_path_starts_every_call_clean():
 
 def test_tool_processes_run_on_the_rollout_cpus(monkeypatch):
     """--rollout-cpus: a sandbox run (cold) and the fork server (warm) pin themselves to the rollout CPUs,
-    whichever thread starts them: here the test's own thread, which may run on every CPU."""
+    whichever thread starts them: here the test's own thread, which may run on every CPU. Code that
+    widens its own affinity to every CPU stays on them where a cpuset cgroup can be made (root with
+    writable cgroups): the CPUs the kernel lets it run on, from /proc/self/status."""
     allowed = os.sched_getaffinity(0)
     cpu = max(allowed)
     monkeypatch.setenv(ROLLOUT_CPUS_ENV, str(cpu))
-    code = "import os; print(sorted(os.sched_getaffinity(0)))"
-    assert run(code).output == f"[{cpu}]\n"
+    bound = confine.cpuset_cgroup(MEMORY_BUDGET_BYTES) is not None
+    code = (
+        "import os\nprint(sorted(os.sched_getaffinity(0)))\nos.sched_setaffinity(0, range(os.cpu_count()))\n"
+        "print(open('/proc/self/status').read().split('Cpus_allowed_list:')[1].split()[0])"
+    )
     sandbox = Sandbox(max_concurrency=1)
     try:
-        assert asyncio.run(sandbox.run(code, timeout_s=10)).output == f"[{cpu}]\n"
+        outputs = [run(code).output, asyncio.run(sandbox.run(code, timeout_s=10)).output]
     finally:
         sandbox.close()
+    for out in outputs:
+        assert out.splitlines()[0] == f"[{cpu}]", out
+        if bound:
+            assert out.splitlines()[1] == str(cpu), f"the code widened its CPUs: {out}"
     assert os.sched_getaffinity(0) == allowed
 
 
