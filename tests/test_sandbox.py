@@ -700,6 +700,39 @@ def bomb_then_print(sandbox: Sandbox, others: list[Sandbox]) -> dict:
     }
 
 
+# Widens its own CPU affinity to every CPU: under --rollout-cpus, the CPUs it ends up on.
+WIDEN = (
+    "import os\ntry: os.sched_setaffinity(0, range(os.cpu_count()))\n"
+    "except OSError as e: print('refused', e)\nprint(sorted(os.sched_getaffinity(0)))"
+)
+
+
+def widened_cpus() -> dict:
+    """Under --rollout-cpus (one CPU: our last), what WIDEN ends up on, warm and cold, and whether a
+    cpuset cgroup could be made to hold it there."""
+    from envs.confine import cpuset_cgroup
+    from envs.sandbox import MEMORY_BUDGET_BYTES
+
+    cpu = max(os.sched_getaffinity(0))
+    os.environ[ROLLOUT_CPUS_ENV] = str(cpu)
+    try:
+        sandbox = Sandbox(max_concurrency=1)  # its fork server starts under the rollout CPUs
+        try:
+            warm = asyncio.run(sandbox.run(WIDEN, timeout_s=30))
+        finally:
+            sandbox.close()
+        cold = asyncio.run(run_python(WIDEN, timeout_s=30))
+        held = cpuset_cgroup(MEMORY_BUDGET_BYTES) is not None
+        return {
+            "cpu": cpu,
+            "cpuset": held,
+            "warm": warm.output + warm.error,
+            "cold": cold.output + cold.error,
+        }
+    finally:
+        del os.environ[ROLLOUT_CPUS_ENV]
+
+
 def attack_suite(port: int) -> dict:
     """Run every attack through a warm and a cold Sandbox, with a sleeper of ours that must outlive
     them; then a fork bomb and an innocent call through each."""
@@ -785,6 +818,7 @@ def attack_suite(port: int) -> dict:
         sleeper.kill()
         sleeper.wait()
     bombs = {path: bomb_then_print(sandbox, list(paths.values())) for path, sandbox in paths.items()}
+    cpus = widened_cpus()
     return {
         "mode": isolation_mode(),
         "gaps": isolation_gaps(),
@@ -797,6 +831,7 @@ def attack_suite(port: int) -> dict:
         "outputs": outputs,
         "bombs": bombs,
         "pids_cgroup": pids_cgroup(MEMORY_BUDGET_BYTES),
+        "cpus": cpus,
     }
 
 
@@ -836,6 +871,14 @@ def check_attacks(report: dict, listener: socket.socket) -> None:
         else:  # in the namespace modes the pids seen are the run's own namespace
             assert "SIGNALLABLE" not in out["kill"], out["kill"]
             assert "OWNER SET" not in out["signal"], out["signal"]  # seccomp refuses every way, at every ABI
+    cpus = report["cpus"]
+    for path in (
+        "warm",
+        "cold",
+    ):  # where no cpuset can be made (a plain user, read-only cgroups) it may leave
+        assert cpus[path].endswith("]\n"), cpus
+        if cpus["cpuset"]:
+            assert cpus[path].endswith(f"[{cpus['cpu']}]\n"), f"the code left the rollout CPUs: {cpus}"
     for path, bomb in report["bombs"].items():
         assert bomb["duration_s"] <= BOMB_TIMEOUT_S + BOMB_KILL_S, (path, bomb)
         assert bomb["next"] == "2\n", (path, bomb)
@@ -952,7 +995,7 @@ def test_attacks_in_every_mode(name, checkout, checkouts, listener):
     p = subprocess.run(argv, cwd=repo, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert p.returncode == 0, p.stderr[-3000:]
     report = json.loads(p.stdout.splitlines()[-1])
-    print(name, checkout, json.dumps(report["bombs"]))  # the figures for README (pytest -s)
+    print(name, checkout, json.dumps(report["bombs"]), json.dumps(report["cpus"]))  # figures (pytest -s)
     for path in ("warm", "cold"):  # ... and docs/sandbox.md's: MiB written before the stop
         print(
             name, checkout, path, [report["outputs"][f"{path}/{d}"][-120:] for d in ("disk", "disk-unlinked")]
