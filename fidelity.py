@@ -100,7 +100,8 @@ def mismatch(samples: list[ProbeSample], scored: list[Scored]) -> tuple[float, f
     temperature, raw logprobs, a penalty). A TOP_N entry either side gives as −inf (outside its truncated
     set: near-uniform logits can put the top-p boundary one token apart) is skipped; a sampled token the
     trainer gives as −inf is an infinite gap."""
-    mu = from_vllm(torch.tensor([x for s in samples for x in s.behaviour_logprobs], dtype=torch.float64))
+    # The sampled tokens' never hold vLLM's −inf stand-in: the client refuses such a response.
+    mu = torch.tensor([x for s in samples for x in s.behaviour_logprobs], dtype=torch.float64)
     pi = torch.tensor([x for lp, _ in scored for x in lp], dtype=torch.float64)
     log_ratio = pi - mu
     k3 = (log_ratio.exp() - 1 - log_ratio).mean().item() if len(mu) else 0.0

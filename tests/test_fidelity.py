@@ -272,27 +272,33 @@ def test_the_check_rescores_the_synced_weights_and_no_update_takes_what_a_faulty
     assert checks.logged()["fidelity/groups_dropped"] == 1.0 and list(syncer.taken_out) == ["http://bad"]
 
 
-def test_vllm_minus_9999_is_read_as_minus_inf():
-    """vLLM's OpenAI server sends a −inf logprob as −9999.0 (JSON has no −inf): a top-20 token outside its
-    truncated set. Where the trainer's top-p boundary falls one token further (near-uniform logits, bf16)
-    that token is a truncation boundary, skipped like any −inf, not a gap of ~1e4 nats. The response is
-    built by vLLM's own serializer and parsed by the rollout client, as in a probe."""
+def _as_vllm_sends_it(ids: list[int], top: list[dict[int, float]], n_top: int) -> dict:
+    """A completion choice for the sampled `ids` with each position's logprobs `top` (the sampled id
+    among them), as vLLM's own serializer encodes it and the rollout client receives it."""
     import types
 
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
     from vllm.logprobs import Logprob
 
-    from fidelity import ProbeSample, check_fidelity
-
     serving = types.SimpleNamespace(  # the two attributes the serializer reads of its server
         return_tokens_as_token_ids=True, _get_decoded_token=OpenAIServingCompletion._get_decoded_token
     )
-    # One sampled token (5); its top-3: token 9 is outside vLLM's top-p set.
-    top = [{5: Logprob(-0.1, 1), 7: Logprob(-2.4, 2), 9: Logprob(float("-inf"), 3)}]
+    top = [{k: Logprob(v, rank) for rank, (k, v) in enumerate(d.items(), 1)} for d in top]
     encoded = OpenAIServingCompletion._create_completion_logprobs(
-        serving, [5], top, 3, None, return_as_token_id=True
+        serving, ids, top, n_top, None, return_as_token_id=True
     )
-    choice = {"token_ids": [5], "logprobs": json.loads(encoded.model_dump_json())}  # over the wire
+    return {"token_ids": ids, "logprobs": json.loads(encoded.model_dump_json())}  # over the wire
+
+
+def test_vllm_minus_9999_is_read_as_minus_inf():
+    """vLLM's OpenAI server sends a −inf logprob as −9999.0 (JSON has no −inf): a top-20 token outside its
+    truncated set. Where the trainer's top-p boundary falls one token further (near-uniform logits, bf16)
+    that token is a truncation boundary, skipped like any −inf, not a gap of ~1e4 nats. The response is
+    built by vLLM's own serializer and parsed by the rollout client, as in a probe."""
+    from fidelity import ProbeSample, check_fidelity
+
+    # One sampled token (5); its top-3: token 9 is outside vLLM's top-p set.
+    choice = _as_vllm_sends_it([5], [{5: -0.1, 7: -2.4, 9: float("-inf")}], 3)
     gen = VLLMClient(["http://server"], "m")._to_generation("http://server", choice, with_top=True)
     assert gen.top == [{5: -0.1, 7: -2.4, 9: -9999.0}]  # vLLM's encoding, as the client reads it
     sample = ProbeSample([1, 2], gen.ids, gen.logprobs, Sampling(top_p=0.9), gen.top)
@@ -307,19 +313,7 @@ def test_a_sampled_token_at_minus_inf_is_no_usable_turn():
     1e4-nat importance ratio (capped, but the mismatch metric is not): the client refuses the response,
     and its group is retried or dropped (test_rollout.py::test_missing_logprobs_requeues_the_whole_group).
     The response is built by vLLM's own serializer."""
-    import types
-
-    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
-    from vllm.logprobs import Logprob
-
-    serving = types.SimpleNamespace(
-        return_tokens_as_token_ids=True, _get_decoded_token=OpenAIServingCompletion._get_decoded_token
-    )
-    top = [{5: Logprob(-0.1, 1)}, {9: Logprob(float("-inf"), 1)}]  # token 9 sampled at −inf
-    encoded = OpenAIServingCompletion._create_completion_logprobs(
-        serving, [5, 9], top, 0, None, return_as_token_id=True
-    )
-    choice = {"token_ids": [5, 9], "logprobs": json.loads(encoded.model_dump_json())}
+    choice = _as_vllm_sends_it([5, 9], [{5: -0.1}, {9: float("-inf")}], 0)  # token 9 sampled at −inf
     assert choice["logprobs"]["token_logprobs"] == [-0.1, -9999.0]  # what arrives
     client = VLLMClient(["http://server"], "m")
     with pytest.raises(GenerationError, match="sampled the logprob −inf"):

@@ -234,19 +234,23 @@ def test_warm_path_starts_every_call_clean():
     sandbox.close()
 
 
+# Widens its own CPU affinity to every CPU: under --rollout-cpus, the CPUs the kernel then lets it run on.
+WIDEN = (
+    "import os\ntry: os.sched_setaffinity(0, range(os.cpu_count()))\n"
+    "except OSError as e: print('refused', e)\nprint(sorted(os.sched_getaffinity(0)))"
+)
+
+
 def test_tool_processes_run_on_the_rollout_cpus(monkeypatch):
     """--rollout-cpus: a sandbox run (cold) and the fork server (warm) pin themselves to the rollout CPUs,
     whichever thread starts them: here the test's own thread, which may run on every CPU. Code that
-    widens its own affinity to every CPU stays on them where a cpuset cgroup can be made (root with
-    writable cgroups): the CPUs the kernel lets it run on, from /proc/self/status."""
+    widens its own affinity to every CPU (WIDEN) stays on them where a cpuset cgroup can be made (root
+    with writable cgroups)."""
     allowed = os.sched_getaffinity(0)
     cpu = max(allowed)
     monkeypatch.setenv(ROLLOUT_CPUS_ENV, str(cpu))
     bound = confine.cpuset_cgroup(MEMORY_BUDGET_BYTES) is not None
-    code = (
-        "import os\nprint(sorted(os.sched_getaffinity(0)))\nos.sched_setaffinity(0, range(os.cpu_count()))\n"
-        "print(open('/proc/self/status').read().split('Cpus_allowed_list:')[1].split()[0])"
-    )
+    code = "import os\nprint(sorted(os.sched_getaffinity(0)))\n" + WIDEN
     sandbox = Sandbox(max_concurrency=1)
     try:
         outputs = [run(code).output, asyncio.run(sandbox.run(code, timeout_s=10)).output]
@@ -255,7 +259,7 @@ def test_tool_processes_run_on_the_rollout_cpus(monkeypatch):
     for out in outputs:
         assert out.splitlines()[0] == f"[{cpu}]", out
         if bound:
-            assert out.splitlines()[1] == str(cpu), f"the code widened its CPUs: {out}"
+            assert out.splitlines()[1] == f"[{cpu}]", f"the code widened its CPUs: {out}"
     assert os.sched_getaffinity(0) == allowed
 
 
@@ -698,13 +702,6 @@ def bomb_then_print(sandbox: Sandbox, others: list[Sandbox]) -> dict:
         "left": sorted(left),
         "processes": forks.output + forks.error,
     }
-
-
-# Widens its own CPU affinity to every CPU: under --rollout-cpus, the CPUs it ends up on.
-WIDEN = (
-    "import os\ntry: os.sched_setaffinity(0, range(os.cpu_count()))\n"
-    "except OSError as e: print('refused', e)\nprint(sorted(os.sched_getaffinity(0)))"
-)
 
 
 def widened_cpus() -> dict:
