@@ -707,9 +707,6 @@ def bomb_then_print(sandbox: Sandbox, others: list[Sandbox]) -> dict:
 def widened_cpus() -> dict:
     """Under --rollout-cpus (one CPU: our last), what WIDEN ends up on, warm and cold, and whether a
     cpuset cgroup could be made to hold it there."""
-    from envs.confine import cpuset_cgroup
-    from envs.sandbox import MEMORY_BUDGET_BYTES
-
     cpu = max(os.sched_getaffinity(0))
     os.environ[ROLLOUT_CPUS_ENV] = str(cpu)
     try:
@@ -719,7 +716,7 @@ def widened_cpus() -> dict:
         finally:
             sandbox.close()
         cold = asyncio.run(run_python(WIDEN, timeout_s=30))
-        held = cpuset_cgroup(MEMORY_BUDGET_BYTES) is not None
+        held = confine.cpuset_cgroup(MEMORY_BUDGET_BYTES) is not None
         return {
             "cpu": cpu,
             "cpuset": held,
@@ -994,9 +991,8 @@ def test_attacks_in_every_mode(name, checkout, checkouts, listener):
     report = json.loads(p.stdout.splitlines()[-1])
     print(name, checkout, json.dumps(report["bombs"]), json.dumps(report["cpus"]))  # figures (pytest -s)
     for path in ("warm", "cold"):  # ... and docs/sandbox.md's: MiB written before the stop
-        print(
-            name, checkout, path, [report["outputs"][f"{path}/{d}"][-120:] for d in ("disk", "disk-unlinked")]
-        )
+        disk = [report["outputs"][f"{path}/{d}"][-120:] for d in ("disk", "disk-unlinked")]
+        print(name, checkout, path, disk)
     assert report["mode"] == expected_mode, report
     assert report["gaps"] == [], report["gaps"]
     if expected_mode == "seccomp":  # the start-up line's Landlock part: all of that ABI applied
