@@ -288,7 +288,7 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
 def unpack_bits(packed: torch.Tensor, columns: int) -> torch.Tensor:
     """pack_bits' inverse: (N, B) uint8 → (N, columns) bool, columns ≤ 8 B."""
     bits = torch.stack([(packed & (1 << bit)) != 0 for bit in range(8)], dim=-1)
-    return bits.view(len(packed), -1)[:, :columns]
+    return bits.flatten(1)[:, :columns]  # not view(N, -1): no rows (an empty micro-batch) leaves -1 unknown
 
 
 def streamed_logprobs(

@@ -144,6 +144,17 @@ def test_streamed_head_in_bf16_is_within_the_bf16_bound(sampling, head_compiled)
     assert torch.isfinite(ent).all() and torch.isfinite(gh).all() and torch.isfinite(gw).all()
 
 
+@pytest.mark.parametrize("sampling", HEAD_SAMPLINGS, ids=str)
+def test_streamed_head_of_no_positions_takes_no_gradient(sampling):
+    """A micro-batch with no position to score (FSDP's filler for a rank short of micro-batches, on a
+    step that traces nothing): no logprobs, and zero gradients, with truncation (an empty kept set) too."""
+    h, w = torch.randn(0, 16, requires_grad=True), torch.randn(64, 16, requires_grad=True)
+    lp, ent = streamed_logprobs(h, w, torch.zeros(0, dtype=torch.long), sampling, with_entropy=True)
+    lp.sum().backward()
+    assert lp.shape == ent.shape == (0,)
+    assert h.grad.shape == (0, 16) and not w.grad.any()
+
+
 def test_streamed_head_never_holds_more_than_a_chunk_of_logits():
     """Forward and backward: no op makes a tensor of more bytes than one chunk of fp32 logits, the inputs
     and their gradients, or the kept set's bits (N · V / 8 bytes, with truncation); the full path makes

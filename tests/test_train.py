@@ -412,6 +412,11 @@ def _fsdp_rank(rank: int, world_size: int, port: int, model_dir: Path, seqs: lis
         for n in (1, 2)
     }
     results["bf16"] = _one_sgd_step(model_dir, seqs, rank, world_size, "token", compute_dtype="bf16")
+    # Truncation, no sequence traced: rank 1's filler micro-batch has no position the head scores.
+    untraced = [{k: v for k, v in s.items() if k != "trace"} for s in seqs]
+    results["top-k"] = _one_sgd_step(
+        model_dir, untraced, rank, world_size, "token", flags=TRUNCATION, dtype=torch.float64
+    )
     if rank == 0:
         torch.save(results, out)
     dist.barrier()  # leave together (test_distributed's resume test says why)
@@ -530,6 +535,9 @@ def _greedy_seqs(model_dir: Path) -> list[dict]:
     return seqs
 
 
+TRUNCATION = ("--top-k", "20", "--top-p", "0.9")
+
+
 @pytest.mark.parametrize("n_mini", [1, 2])
 def test_top_k_top_p_train_the_hand_written_step_with_vllms_truncation(tiny_model, n_mini):
     """--top-k 20 --top-p 0.9 from the real parser: the trainer's loss forward uses the truncated
@@ -537,7 +545,7 @@ def test_top_k_top_p_train_the_hand_written_step_with_vllms_truncation(tiny_mode
     is finite. With 2 mini-batches the first step pushes some of the second's tokens out of the kept
     set; they stay in it (finite), as the reference has it."""
     seqs = _greedy_seqs(tiny_model)
-    flags, lr = ("--top-k", "20", "--top-p", "0.9"), 0.5
+    flags, lr = TRUNCATION, 0.5
     metrics, weights, _ = _one_sgd_step(tiny_model, seqs, 0, 1, "token", n_mini, lr=lr, flags=flags)
     loss, (n_tok, _, _), ref_weights = _reference_steps(tiny_model, seqs, n_mini, "token", lr, 20, 0.9)
     assert math.isfinite(metrics["train/loss"]) and math.isfinite(metrics["train/grad_norm"])
@@ -568,7 +576,8 @@ def test_the_clip_is_live_with_mini_batches(tiny_model):
 def test_two_fsdp_ranks_take_the_one_process_step(tmp_path, tiny_model):
     """Five sequences in three micro-batches: rank 1 also runs a masked filler micro-batch. The summed
     loss, the gradient norm and the updated weights must equal one process's, with one and with two
-    optimizer steps per batch (mini-batches of 2 and 3 sequences: ranks pad each one on its own)."""
+    optimizer steps per batch (mini-batches of 2 and 3 sequences: ranks pad each one on its own), and
+    with --top-k/--top-p on a step that traces nothing (the filler then has no position to score)."""
     import torch.multiprocessing as mp
 
     from vllm_server import free_port
@@ -580,7 +589,7 @@ def test_two_fsdp_ranks_take_the_one_process_step(tmp_path, tiny_model):
     out = tmp_path / "rank0.pt"
     mp.spawn(_fsdp_rank, args=(2, free_port(), tiny_model, seqs, out), nprocs=2, join=True)
     two = torch.load(out, weights_only=False)
-    for norm, n in [key for key in two if key != "bf16"]:
+    for norm, n in [key for key in two if key not in ("bf16", "top-k")]:
         metrics, weights, traced = _one_sgd_step(tiny_model, seqs, 0, 1, norm, n, dtype=torch.float64)
         m2, w2, traced2 = two[norm, n]
         assert sorted(traced) == sorted(traced2) == [0, 2, 4]
@@ -594,6 +603,14 @@ def test_two_fsdp_ranks_take_the_one_process_step(tmp_path, tiny_model):
         assert metrics["train/grad_norm"] > 0
         assert w2.keys() == weights.keys()
         _assert_weights_equal_in_float64(w2, weights, f"two ranks against one, {norm} {n}")
+    # --top-k/--top-p with nothing traced: the filler's empty head (no kept set) takes no gradient.
+    untraced = [{k: v for k, v in s.items() if k != "trace"} for s in seqs]
+    metrics, weights, _ = _one_sgd_step(
+        tiny_model, untraced, 0, 1, "token", flags=TRUNCATION, dtype=torch.float64
+    )
+    m2, w2, _ = two["top-k"]
+    assert m2["train/loss"] == pytest.approx(metrics["train/loss"], rel=1e-10)
+    _assert_weights_equal_in_float64(w2, weights, "two ranks against one, --top-k --top-p")
     # The traced logprobs (the viewer's, from both ranks' micro-batches) are each sequence's own forward
     # before the update.
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
