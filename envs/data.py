@@ -5,13 +5,15 @@ Column mapping, first match wins (other columns are kept as they are):
   gives its last user message's content.
 - answer <- `answer`, `solution`, `reward_model["ground_truth"]` (DAPO-Math-17k); an answer containing
   `####` (GSM8K) gives the text after the last `####`, with thousands separators removed; a list of one
-  answer gives that answer.
+  answer gives that answer; a number gives its decimal digits (no exponent).
 A file that is not JSON lines (one object a line), has no rows, or has a row without a question or an
 answer, or whose answer is a longer list or an object, raises ValueError naming the line or row index
 and the field, so a bad dataset fails before training starts (in one line: `load_datasets`).
 """
 
+import decimal
 import json
+import math
 import os
 
 
@@ -42,7 +44,9 @@ def _answer(row: dict) -> str | None:
         )
     if a is None or (isinstance(a, str) and not a.strip()):
         return None
-    a = str(a)
+    # A float as written out, never in an exponent: str(1e-05) is "1e-05", which math-verify reads as
+    # Euler's e minus 5 (so 0.00001 would score wrong and e - 5 right).
+    a = format(decimal.Decimal(repr(a)), "f") if isinstance(a, float) and math.isfinite(a) else str(a)
     if "####" in a:  # GSM8K: reasoning, then "#### 72"
         a = a.rsplit("####", 1)[1].strip().replace(",", "")
     return a

@@ -5,7 +5,7 @@ Same data and reward as `envs/retool.py` without the interpreter, so "with tool"
 
 The final answer is read in the forms the common math RL datasets ask for, the last one given in the
 message winning: `\\boxed{x}` (our prompt, MATH), a line `Answer: x` (DAPO-Math-17k's prompt asks for
-it as the last line), `#### x` (GSM8K).
+it as the last line), `#### <number>` (GSM8K).
 """
 
 import re
@@ -46,33 +46,42 @@ def last_boxed(text: Any) -> str | None:
 # 1,900 tokens took minutes, holding the GIL, before any deadline applies).
 _ANSWER_LINE = re.compile(r"^[ \t>*_#]*(?:final[ \t]+)?answer[ \t*_]*:([^\n]*)", re.I | re.M)
 _GSM8K_LINE = re.compile(r"####([^\n]*)")
+# GSM8K's answer is a number, and only a number counts: `#### Verification` or `#### 2. Check` is a
+# markdown heading (Qwen writes them after its boxed answer), not an answer that replaces it.
+_GSM8K_NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?(?:/[0-9]+)?")
+
+
+_DELIMITERS = (("$", "$"), ("`", "`"), ("\\[", "\\]"), ("\\(", "\\)"))  # math and code markup
 
 
 def _clean(answer: str, gsm8k: bool) -> str:
-    """`$x$` -> `x`, a trailing full stop dropped; GSM8K's `1,072` -> `1072` (as envs/data.py reads its
-    ground truth)."""
+    """`$x$`, `` `x` ``, `\\[x\\]`, `\\(x\\)` -> `x`, a trailing full stop dropped; GSM8K's `1,072` ->
+    `1072` (as envs/data.py reads its ground truth)."""
     answer = answer.strip().rstrip(".").strip().strip("*_").strip()
-    if len(answer) >= 2 and answer[0] == answer[-1] == "$":
-        answer = answer[1:-1].strip()
+    for left, right in _DELIMITERS:
+        if len(answer) >= len(left) + len(right) and answer.startswith(left) and answer.endswith(right):
+            answer = answer[len(left) : -len(right)].strip()
+            break
     return re.sub(r"(?<=\d),(?=\d{3}\b)", "", answer) if gsm8k else answer
 
 
 def last_answer(text: Any) -> str | None:
     """The final answer in `text`: of its last `\\boxed{}`, its last `Answer:` line and its last
-    `#### x`, the one that starts last (`Answer: \\boxed{5}` gives 5); None if there is none."""
+    `#### <number>`, the one that starts last (`Answer: \\boxed{5}` gives 5); None if there is none."""
     if not isinstance(text, str):
         return None
     found = []  # (start, answer)
     box, boxed = max(text.rfind("\\boxed{"), text.rfind("\\fbox{")), last_boxed(text)
     if boxed is not None:
         found.append((box, boxed))
-    for pattern, lead, gsm8k in ((_ANSWER_LINE, " \t*_", False), (_GSM8K_LINE, " \t", True)):
-        last = None
-        for last in pattern.finditer(text):  # noqa: B007 (the loop only finds the last match)
-            pass
-        answer = last.group(1).lstrip(lead).rstrip(" \t") if last is not None else ""
-        if answer:
-            found.append((last.start(), _clean(answer, gsm8k)))
+    line = None
+    for line in _ANSWER_LINE.finditer(text):  # noqa: B007 (the loop only finds the last match)
+        pass
+    if line is not None and (answer := line.group(1).strip(" \t*_")):
+        found.append((line.start(), _clean(answer, False)))
+    for line in _GSM8K_LINE.finditer(text):  # those that are a number (headings are not): the last wins
+        if _GSM8K_NUMBER.fullmatch(number := _clean(line.group(1), True)):
+            found.append((line.start(), number))
     return max(found)[1] if found else None
 
 

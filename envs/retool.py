@@ -28,11 +28,13 @@ TOOL_BONUS = 0.0  # per successful tool call, wrong answers only; 0.1 matches ve
 MAX_TOOL_BONUS = 0.4  # cap on the bonus (verl/slime: -1 + 0.4 = -0.6)
 TOOL_TIMEOUT_S = 10.0
 
-_FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
+# A fence opens and closes a line of its own (so code that prints or holds "```" keeps it), with any
+# tag (python3, Python, py) or none; one left open runs to the end (a call cut off by the length limit).
+_FENCE = re.compile(r"^[ \t]*```[\w+-]*[ \t]*\n(.*?)(?:^[ \t]*```[ \t]*$|\Z)", re.M | re.S)
 
 
 def strip_fence(code: str) -> str:
-    """The body of the first ```python fence if the model wrapped its code in one, else `code`."""
+    """The body of the first ``` fence if the model wrapped its code in one, else `code`."""
     m = _FENCE.search(code)
     return m.group(1) if m else code
 

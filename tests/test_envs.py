@@ -97,6 +97,14 @@ def test_last_boxed():
         ("Answer: \\boxed{7}", "7"),
         ("\\boxed{unbalanced\nAnswer: 6", "6"),
         ("the answer: 5", None),  # not a line of its own
+        ("so x = \\boxed{5}.\n\n#### Verification\n5 + 2 = 7", "5"),  # a markdown heading is no answer
+        ("x = \\boxed{7}.\n\n#### 2. Check\n7 + 2 = 9", "7"),
+        ("#### 72\n\n#### Check", "72"),  # the last #### that is a number
+        ("#### -3/4", "-3/4"),
+        ("Answer: \\[34\\]", "34"),  # display math, inline math, code
+        ("Answer: \\(\\frac{1}{2}\\)", "\\frac{1}{2}"),
+        ("**Answer:** `34`", "34"),
+        ("Answer: **", None),
         ("Answer:", None),
     ],
 )
@@ -109,7 +117,7 @@ def test_last_answer_reads_the_forms_math_datasets_ask_for(text, answer):
     [
         ("Answer: 5" + " " * 128 * 500 + "x", "5" + " " * 128 * 500 + "x"),  # Qwen has a 128-space token
         ("**Answer:** 5" + "\t " * 32_000 + "x\nok", "5" + "\t " * 32_000 + "x"),
-        ("#### 7" + " " * 64_000 + "8", "7" + " " * 64_000 + "8"),
+        ("#### 7" + " " * 64_000 + "8", None),  # not a number: no answer
         ("Answer: 5" + " " * 64_000 + "\n#### 6" + "\t" * 64_000, "6"),
     ],
     ids=["answer_line", "markdown_tabs", "gsm8k", "trailing_blanks"],
@@ -210,6 +218,11 @@ def test_strip_fence():
     assert strip_fence("```python\nprint(1)\n```") == "print(1)\n"
     assert strip_fence("Here:\n```py\nx = 2\n```\n") == "x = 2\n"
     assert strip_fence("```\nprint(3)\n```") == "print(3)\n"
+    assert strip_fence("```python3\nx = 5\n```") == strip_fence("```Python\nx = 5\n```") == "x = 5\n"
+    assert strip_fence("```python\nx = 6\n") == "x = 6\n"  # cut off by the length limit
+    assert strip_fence('```python\nprint("```")\nx = 7\n```') == 'print("```")\nx = 7\n'
+    table = 't = """```\n| n |\n```"""\nprint(t)\n'  # unfenced code holding a fence
+    assert strip_fence(table) == table
     assert strip_fence("print(4)") == "print(4)"
 
 
@@ -299,6 +312,15 @@ def test_an_answer_list_of_one_is_its_answer_and_a_longer_one_is_refused(tmp_pat
             load_rows(path)
     ep = load_env("math").make_episode(load_rows(write_jsonl(tmp_path / "c.jsonl", rows[:1]))[0])
     assert ep.reward(final("\\boxed{5}"), []) == 1.0
+
+
+def test_a_numeric_answer_is_its_decimal_digits(tmp_path):
+    """JSON numbers as ground truth: small and large floats without an exponent (math-verify reads
+    `1e-05` as Euler's e minus 5), so the right answer scores and e - 5 does not."""
+    rows = [{"question": "q", "answer": a} for a in (1e-05, 1e16, 0.5, 72.0, 3)]
+    golds = [r["answer"] for r in load_rows(write_jsonl(tmp_path / "n.jsonl", rows))]
+    assert golds == ["0.00001", "10000000000000000", "0.5", "72.0", "3"]
+    assert answers_match("0.00001", golds[0]) and not answers_match("e-5", golds[0])
 
 
 def test_shipped_data_and_generator(tmp_path):
