@@ -228,9 +228,11 @@ def _child_main(builds, parent_pid: int, groups, reports, shared, stop_timeout_s
     sent, applied_discards, last, t_report = 0, 0, None, 0.0
     while not stopping.is_set() and worker.alive:
         worker.set_version(version.value)
-        if discarded.value > applied_discards:
-            worker.discard(discarded.value - applied_discards)
-            applied_discards = discarded.value
+        # Read once: the trainer may add to it while the worker takes these (read again after, those
+        # would count as applied and never reach admission).
+        if (discarded_now := discarded.value) > applied_discards:
+            worker.discard(discarded_now - applied_discards)
+            applied_discards = discarded_now
         exhausted = worker.exhausted  # before draining: every group it counts delivered is queued by now
         try:
             # The timeout bounds how late a version bump reaches admission (a bench step: 0.4-0.5 s).

@@ -164,6 +164,43 @@ def test_a_child_killed_mid_message_is_seen_dead_not_waited_for():
     assert outcome == ["empty", "stopped"] and not worker.alive, outcome
 
 
+class _SlowToDiscard(_OneHugeGroup):
+    """A worker with no groups whose discard takes 0.5 s (it counts them as the real one does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.queue = queue.Queue()
+
+    def discard(self, n: int) -> None:
+        time.sleep(0.5)
+        self.stats.groups_discarded += n
+
+
+def _build_slow_to_discard(*, expected_version):
+    return _SlowToDiscard()
+
+
+@pytest.mark.timeout(120)
+def test_a_discard_made_while_the_child_applies_one_is_applied_too():
+    """The trainer discards while the child is passing an earlier discard to its worker: both reach it
+    (each frees an admission slot; one lost is a slot lost for the run, and at --max-staleness 0 a step
+    that never fills). The child read the shared count again after applying it, skipping the new one."""
+    worker = RolloutProcess()
+    worker.build(_build_slow_to_discard, lambda: 0, start_version=0)
+    worker.start()
+    try:
+        worker.discard(1)
+        time.sleep(0.2)  # the child is inside the worker's discard by now (it polls every ~5 ms)
+        worker.discard(1)
+        deadline = time.monotonic() + 30
+        while worker.stats.groups_discarded < 2 and time.monotonic() < deadline:
+            worker._read_reports()
+            time.sleep(0.1)
+        assert worker.stats.groups_discarded == 2
+    finally:
+        worker.stop(timeout_s=5.0)
+
+
 class _HugeGroupThenHugeReport(_OneHugeGroup):
     """A worker whose last words are large: its one group fills the pipe, and stopping it records 200k
     failed rows (the final report, ~1 MB pickled, is larger than a pipe holds too)."""
