@@ -300,26 +300,33 @@ class RolloutContext:
 async def run_tool(
     tools: dict[str, Callable], name: str, args: dict | str, error: str | None
 ) -> ToolCallRecord:
-    """Run one parsed call; every failure becomes a failed record whose result tells the model why."""
+    """Run one parsed call; every failure becomes a failed record whose result tells the model why.
+    The result is Unicode text the tokenizer can encode: a lone surrogate (JSON's "\\ud800" in the
+    model's arguments, echoed back by a tool or in an error) becomes "?" instead of failing the group."""
     t0 = time.monotonic()
+    result, failed = await _call(tools, name, args, error)
+    result = result.encode("utf-8", "replace").decode("utf-8")
+    return ToolCallRecord(name, args, result, failed, time.monotonic() - t0)
+
+
+async def _call(
+    tools: dict[str, Callable], name: str, args: dict | str, error: str | None
+) -> tuple[str, bool]:
+    """run_tool's (result, failed)."""
     if error is None and name not in tools:
         error = f"unknown tool {name!r}; available: {', '.join(sorted(tools))}"
     if error is not None:
-        return ToolCallRecord(name, args, f"Error: {error}", True, time.monotonic() - t0)
+        return f"Error: {error}", True
     fn = tools[name]
     try:
         inspect.signature(fn).bind(**args)
     except TypeError as e:
-        return ToolCallRecord(
-            name, args, f"Error: bad arguments for {name}: {e}", True, time.monotonic() - t0
-        )
+        return f"Error: bad arguments for {name}: {e}", True
     try:
         result = await fn(**args) if inspect.iscoroutinefunction(fn) else await asyncio.to_thread(fn, **args)
     except Exception as e:
-        return ToolCallRecord(
-            name, args, f"Error: {name} raised {type(e).__name__}: {e}", True, time.monotonic() - t0
-        )
-    return ToolCallRecord(name, args, str(result), False, time.monotonic() - t0)
+        return f"Error: {name} raised {type(e).__name__}: {e}", True
+    return str(result), False
 
 
 async def tool_loop_rollout(ctx: RolloutContext, episode, prompt_ids: list[int]) -> RolloutCompletion:

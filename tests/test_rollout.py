@@ -151,6 +151,46 @@ def test_no_doubled_end_of_turn_after_an_unterminated_call_that_ended_at_eos(tok
     )
 
 
+def test_a_tool_echoing_a_lone_surrogate_is_one_call_not_a_failed_group(tokenizer):
+    """JSON's "\\ud800" in the model's arguments decodes to a lone surrogate, which the tokenizer cannot
+    encode: echoed back by a plain tool (or named in an error), it raised out of the rollout, failing
+    every completion of the group, again at each retry. It reaches the model as "?"."""
+
+    class Echo:
+        messages = [{"role": "user", "content": "q"}]
+
+        def __init__(self):
+            self.tools = [self.echo, self.refuse]
+
+        def echo(self, text: str) -> str:
+            """Echo.
+
+            Args:
+                text: what to echo
+            """
+            return f"you said: {text}"
+
+        def refuse(self, text: str) -> str:
+            """Refuse.
+
+            Args:
+                text: what to refuse
+            """
+            raise ValueError(f"not {text}")
+
+    template = ChatTemplate(tokenizer, Echo().tools)
+    echo_text = '<tool_call>\n{"name": "echo", "arguments": {"text": "\\ud800"}}\n</tool_call>'
+    refused = '<tool_call>\n{"name": "refuse", "arguments": {"text": "\\ud800"}}\n</tool_call>'
+    client = ScriptedClient(tokenizer, [echo_text, refused, "done<|im_end|>"])
+    ctx = RolloutContext(client, template, {}, 3, 400, lambda: 0, asyncio.Semaphore(2))
+    c = asyncio.run(tool_loop_rollout(ctx, Echo(), list(range(10))))
+    assert c.stop_reason == "eos"
+    echoed, raised = c.tool_calls
+    assert (echoed.result, echoed.failed) == ("you said: ?", False)
+    assert (raised.result, raised.failed) == ("Error: refuse raised ValueError: not ?", True)
+    assert "you said: ?" in tokenizer.decode(c.completion_ids)
+
+
 def with_template(name: str, specials: list[str] = (), eos: str | None = None):
     """The tiny tokenizer with another chat template and that template's own special tokens."""
     tok = AutoTokenizer.from_pretrained(REPO / "models" / "tiny")
