@@ -48,6 +48,10 @@ def save_checkpoint(
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         trained = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
         weights = get_model_state_dict(model, options=trained)  # {} on ranks but 0; LoRA: the adapter
+        # The gathered copies of tied weights are separate tensors, which save_pretrained (it goes by
+        # storage) would write twice (Qwen2.5-1.5B: 0.9 GB more): dropped, as one process's save drops them.
+        for tied in model.get_expanded_tied_weights_keys(all_submodels=True):
+            weights.pop(tied, None)
         optim = get_optimizer_state_dict(model, optimizer, options=opts)
     else:
         weights, optim = None, get_optimizer_state_dict(model, optimizer)

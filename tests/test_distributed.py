@@ -287,6 +287,18 @@ def _equal(state: dict, want: dict) -> bool:
     return state.keys() == want.keys() and all(torch.equal(state[k], v) for k, v in want.items())
 
 
+def _save_untrained(model, model_dir: Path, out: Path, rank: int = 0) -> dict[str, torch.Tensor]:
+    """save_checkpoint of `model` as loaded; the weights file it wrote (on rank 0)."""
+    import trainer
+
+    optimizer, scheduler = trainer.make_optimizer(model, _load_args(model_dir))
+    state = {"step": 0, "model_version": 0, "dataset_position": 0}
+    ckpt = save_checkpoint(
+        out, model, AutoTokenizer.from_pretrained(model_dir), optimizer, scheduler, state, rank
+    )
+    return load_file(ckpt / "model.safetensors") if rank == 0 else {}
+
+
 def _load_rank(rank: int, port: int, wide: Path, ckpt: Path, tiny: Path, tied: Path, out: Path) -> None:
     import gc
 
@@ -308,6 +320,7 @@ def _load_rank(rank: int, port: int, wide: Path, ckpt: Path, tiny: Path, tied: P
     result["tied"] = model.lm_head.weight is model.model.embed_tokens.weight
     state = _gathered(model)
     result["tied_equal"] = rank != 0 or _equal(state, load(tied).state_dict())
+    _save_untrained(model, tied, out / "tied-fsdp", rank)  # the test compares it with one process's
     # A step after the per-shard load against one after the old load (every rank from_pretrained, then
     # shard_model), with the reference model in the loss
     seqs, args = _seqs_for_ranks(), _load_args(tiny, "--kl-beta", "0.1", "--gradient-checkpointing", "off")
@@ -353,8 +366,10 @@ def test_under_fsdp_each_rank_loads_only_its_shard(tiny_model, tmp_path):
     whole (every rank used to from_pretrained the whole model before FSDP sharded it: 7B on 8 ranks, 28
     GB of fp32 per GPU at start-up); the sharded states gather to exactly what from_pretrained loads
     (the checkpoint's for the policy, --model's for the reference, the resume checksum too), every rank's
-    rotary inv_freq is from_pretrained's, tied embeddings stay one parameter, and a step after the
-    per-shard load is bit for bit the step after the old load."""
+    rotary inv_freq is from_pretrained's, tied embeddings stay one parameter (and one tensor in the
+    checkpoint, which holds the same tensors as one process's: FSDP's gathered copies are not tied,
+    and save_pretrained wrote both), and a step after the per-shard load is bit for bit the step after
+    the old load."""
     import torch.multiprocessing as mp
 
     wide, ckpt, tied = tmp_path / "wide", tmp_path / "ckpt", Path(__file__).parent.parent / "models/tiny-tied"
@@ -376,6 +391,12 @@ def test_under_fsdp_each_rank_loads_only_its_shard(tiny_model, tmp_path):
     assert ranks[0]["checksum_equal"] and ranks[0]["checksum"] == ranks[1]["checksum"]
     assert all(r["buffers_equal"] and r["tied"] and r["ref_frozen"] for r in ranks)
     assert ranks[0]["step_equal"] and ranks[0]["step_moved"]
+    import trainer
+
+    one = trainer.load_models(_load_args(tied), None, torch.device("cpu"), 1)[0]
+    want = _save_untrained(one, tied, tmp_path / "tied-one")
+    saved = load_file(tmp_path / "tied-fsdp" / "checkpoints" / "step_000000" / "model.safetensors")
+    assert "lm_head.weight" not in want and _equal(saved, want), sorted(saved.keys() - want.keys())
 
 
 # ---------------------------------------------------------------------------------------------------
