@@ -108,7 +108,7 @@ test-fast: install models/tiny/config.json
 	.venv/bin/ruff check .
 	.venv/bin/pytest -q --timeout 300 -m "not slow" --durations 5
 
-# Fault injection on the real pipeline alone (README "Fault tolerance"); `make test` runs it too.
+# Fault injection on the real pipeline alone (docs/faults.md); `make test` runs it too.
 faults: install tiny-model
 	.venv/bin/pytest -q --timeout 1500 tests/test_faults.py
 
