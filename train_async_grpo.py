@@ -288,6 +288,9 @@ class Run:
     position: StreamPosition  # the row stream: rows admitted and not yet trained, where admission stopped
     stop_flag: dict  # {"stop": True} once SIGINT or SIGTERM came: the loop stops between steps
     last_saved: int = 0  # step of the newest checkpoint (or of the resume)
+    # An update was applied since the last sync: the model is no longer that version's weights, which a
+    # server healed now would get under its tag (--sync-every N > 1: N − 1 steps a sync)
+    moved_since_sync: bool = False
     row_stream: dict = field(default_factory=dict)  # what `position` indexes: checkpoint.row_stream_identity
     metrics_file: object = None  # metrics.jsonl, appended to
     completions_file: object = None  # completions.jsonl (the rollout viewer's rows), appended to
@@ -316,11 +319,14 @@ def save(run: Run) -> Path:
 def heal(run: Run, push: bool = True) -> None:
     """Bring servers back into the run (WeightSyncer owns each one's state): our own that exited or are
     stuck are relaunched; any that answers without our weights rejoins and, unless a sync to all
-    follows at once (`push=False`), gets the current weights. A failure is retried next call."""
+    follows at once (`push=False`), gets the current weights: those of the current version only, so
+    once an update moved them since (--sync-every N > 1) it gets the next sync (until then its tag
+    is not the version the client routes to). A failure is retried next call."""
     relaunch_exited(run.servers, run.out_dir / "vllm-logs" / "servers.json", stuck=run.syncer.to_restart())
     stale = run.syncer.rejoin()
     if not stale:
         return
+    push = push and not run.moved_since_sync
     try:
         if push:
             sync_weights(run.syncer, run.model, run.version, run.world_size, urls=stale)
@@ -386,7 +392,7 @@ def start_rollouts(
     )  # fmt: skip
     run.worker.build(build, lambda: run.syncer.version, run.version)
     expected_version = run.worker.client.expected_version
-    eval_args = (urls, served, template, make_episode, eval_rows, args, expected_version)
+    eval_args = (served, template, make_episode, eval_rows, args, expected_version)  # evaluate's, less urls
     if args.eval_every and run.step == 0:  # the start, before any rollout competes for the servers
         start = {"step": 0, "model_version": run.version} | evaluate_now(run, eval_args)
         run.metrics_file.write(json.dumps(start) + "\n")
@@ -407,6 +413,7 @@ def sync_if_due(run: Run) -> dict[str, float]:
     sync = dict(NO_SYNC)
     if run.step % run.args.sync_every == 0:
         run.version += 1
+        run.moved_since_sync = False  # these weights are the new version's (a server that fails: heal's)
         heal(run, push=False)
         try:
             sync.update(sync_weights(run.syncer, run.model, run.version, run.world_size))
@@ -428,7 +435,8 @@ def train_on(run: Run, groups: list, ref_model, device) -> tuple:
     """Every rank trains its share of `groups` (train_step), less those a server found out of step
     sampled: the last sync's check finishes before the update is applied (fidelity.SyncChecks.train).
     Returns ((train/ metrics, sequences, completions logged, their π_old), or None when no group is
-    left; the groups trained)."""
+    left; the groups trained). Those left out free their admission slots, as a stale group does
+    (collect_groups): a step that trained none would otherwise leave the next batch none to come."""
 
     def train(groups: list) -> tuple:
         seqs = batch_sequences(groups)
@@ -437,7 +445,10 @@ def train_on(run: Run, groups: list, ref_model, device) -> tuple:
         step = (run.model, ref_model, run.optimizer, run.scheduler, seqs, run.args, 0, run.world_size, device)
         return train_step(*step, traced), seqs, logged, traced
 
-    return run.checks.train(run.optimizer, groups, train)
+    trained, kept = run.checks.train(run.optimizer, groups, train)
+    if len(kept) < len(groups):
+        run.worker.discard(len(groups) - len(kept))
+    return trained, kept
 
 
 def stop_between_steps(world_size: int) -> dict:
@@ -475,7 +486,7 @@ def evaluate_now(run: Run, eval_args: tuple) -> dict[str, float]:
     """The greedy held-out eval (evaluate.py) on every server that answers; its time is not a step's."""
     t_eval = time.monotonic()
     heal(run)
-    metrics = asyncio.run(evaluate(*eval_args))
+    metrics = asyncio.run(evaluate(list(run.syncer.urls), *eval_args))  # not those taken out since
     metrics["perf/eval_s"] = time.monotonic() - t_eval
     run.t_last += metrics["perf/eval_s"]
     return metrics
@@ -632,6 +643,7 @@ def main(argv: list[str] | None = None) -> None:
             # Mini-batches before a non-finite one were applied: the servers must get the weights they
             # moved, or they would sample from weights the trainer no longer has.
             applied = int(train["train/optimizer_steps"])
+            run.moved_since_sync |= applied > 0
             too_many = run.nonfinite.record(nonfinite, run.step, args.max_nonfinite_steps, applied)
             sync = dict(NO_SYNC) if nonfinite and not applied else sync_if_due(run)
             train["train/nonfinite_steps"] = float(run.nonfinite.total)

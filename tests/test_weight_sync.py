@@ -747,7 +747,7 @@ def stuck_run(tmp_path, start_s: float):
     syncer._nccl_broadcast = working
     launched = [LaunchedServer(s, start_s) for s in servers]
     run = SimpleNamespace(servers=launched, out_dir=tmp_path, syncer=syncer, model=model, version=2,
-                          world_size=1)  # fmt: skip
+                          world_size=1, moved_since_sync=False)  # fmt: skip
     (tmp_path / "vllm-logs").mkdir()
     return T, run, servers, comms
 
@@ -916,3 +916,125 @@ def test_the_version_moves_before_the_per_sync_check_and_a_recheck_draws_a_new_s
     assert events[0] == ("version", 1), events
     assert [e for e in events if e[0] == "sample"] == [("sample", 7), ("sample", 8)], events
     assert syncer.taken_out == {} and metrics["fidelity/servers_resynced"] == 1.0
+
+
+def _group_begun(url: str, versions: tuple[int, int], started_s: float):
+    """A group of one turn that `url` generated over trainer `versions`, its request sent at `started_s`."""
+    from records import RolloutCompletion, RolloutGroup, TurnRecord
+
+    turn = TurnRecord((5,), (-0.1,), "stop", versions, servers=(url,), started_s=started_s)
+    completion = RolloutCompletion(1, [], turns=[turn])
+    return RolloutGroup([], [1], {}, [completion], [1.0], [0.5], admitted_version=versions[0])
+
+
+def test_one_server_re_synced_by_its_check_samples_for_training_again():
+    """One server (the default set-up) whose check trips the bound once (bf16 noise) and passes after its
+    re-sync: what it began before the re-sync is not trained and frees its admission slots, what it
+    begins after is trained. (Both were dropped for as long as the version stayed 1, and with one server
+    it stays 1 for ever: no step, no sync; the slots never freed, the run ended in BatchTimeout.)"""
+    import train_async_grpo as T
+    from fidelity import FidelityError, SyncChecks
+
+    (server,) = servers = [FakeServer()]
+    syncer, _ = fake_syncer("gloo", servers)
+    syncer.init()
+    model = torch.nn.Linear(2, 2)
+
+    def verify(url: str, samples: dict) -> dict:
+        if samples["seed"] == 0:  # the check's draw lands beyond the bound; the re-check's does not
+            raise FidelityError("max |Δ logprob| 1.2e-3")
+        return {"fidelity/max_abs_diff": 1e-5}
+
+    prober = SimpleNamespace(sample=lambda url, bare, seed=0: {"seed": seed}, verify=verify, seed=0,
+                             model=model, world_size=1)  # fmt: skip
+    discarded = []
+    run = SimpleNamespace(checks=SyncChecks(prober, syncer), worker=SimpleNamespace(discard=discarded.append),
+                          optimizer=torch.optim.SGD(model.parameters(), lr=0.1))  # fmt: skip
+    syncer.sync(model.named_parameters(), version=1)
+    run.checks.start(1, 1)
+    before = [_group_begun(server.url, (1, 1), time.monotonic()) for _ in range(2)]
+    assert run.checks.finish()["fidelity/servers_resynced"] == 1.0  # at the previous batch's update
+    after = _group_begun(server.url, (1, 1), time.monotonic())
+    assert T.train_on(run, before, None, torch.device("cpu")) == (None, [])
+    assert discarded == [2], "their slots: replacements must be admitted"
+    assert not run.checks.sampled_out_of_step(after)
+    assert run.checks.logged()["fidelity/groups_dropped"] == 2.0 and syncer.taken_out == {}
+
+
+def test_a_server_restarted_before_its_check_finishes_is_left_to_heal():
+    """Killed right after a sync (its check's request fails) and restarted before the check finishes:
+    no verdict, as for one still down; heal brings it back. (It was judged: a fresh server has no
+    transfer group, its re-sync failed, and it was taken out for the rest of the run.)"""
+    from fidelity import FidelityError, SyncChecks
+    from vllm_server import healthy
+
+    servers = [FakeServer(), FakeServer()]
+    restarted = servers[1]
+    syncer, _ = fake_syncer("gloo", servers)
+    syncer.init()
+    model = torch.nn.Linear(2, 2)
+    syncer.sync(model.named_parameters(), version=1)
+
+    def sample(url: str, bare: bool, seed: int = 0) -> dict:
+        if not healthy(url):  # what fidelity.probe raises when its request fails
+            raise FidelityError(f"fidelity probe: {url} did not return token ids (Connection refused)")
+        return {}
+
+    prober = SimpleNamespace(sample=sample, verify=lambda url, samples: {"fidelity/max_abs_diff": 0.0},
+                             seed=0, model=model, world_size=1)  # fmt: skip
+    checks = SyncChecks(prober, syncer)
+    restarted.down_until = time.monotonic() + 3600  # down right after the sync
+    checks.start(1, 1)
+    checks.pending[2][restarted.url].exception()  # its request failed
+    restarted.down_until, restarted.version, restarted.init_ports = 0.0, "default", []  # up again, fresh
+    restarted.fail = ("/update_weights",)  # no transfer group: what a re-sync meets there
+    checks.finish()
+    assert syncer.taken_out == {} and syncer.out_of_step() == [restarted.url]
+
+
+def test_heal_gives_a_restarted_server_the_next_sync_once_an_update_moved_the_weights(tmp_path):
+    """--sync-every 2: between two syncs the weights move. A server restarted then rejoins and gets the
+    next sync, not the moved weights under the last sync's tag (two servers saying version 1 while
+    holding different weights); with the weights as synced, heal gives them at once."""
+    import train_async_grpo as T
+
+    servers = [FakeServer(), FakeServer()]
+    syncer, _ = fake_syncer("gloo", servers)
+    syncer.init()
+    model = torch.nn.Linear(2, 2)
+    syncer.sync(model.named_parameters(), version=1)
+    (tmp_path / "vllm-logs").mkdir()
+    run = SimpleNamespace(servers=[], out_dir=tmp_path, syncer=syncer, model=model, version=1, world_size=1,
+                          moved_since_sync=True)  # fmt: skip
+    servers[1].version, servers[1].init_ports = "default", []  # restarted
+    T.heal(run)
+    assert [s.version for s in servers] == ["1", "default"] and servers[1].url in syncer.groups
+    syncer.sync(model.named_parameters(), version=2)  # the next sync reaches it
+    assert [s.version for s in servers] == ["2", "2"]
+    run.version, run.moved_since_sync = 2, False
+    servers[0].version, servers[0].init_ports = "default", []
+    T.heal(run)
+    assert [s.version for s in servers] == ["2", "2"]
+
+
+def test_the_eval_goes_to_the_servers_still_in_the_run(tmp_path, monkeypatch):
+    """A server the per-sync check took out is paused (`/pause?mode=abort`): an eval request there waits
+    its whole timeout (--batch-timeout, 600 s) and its row counts as failed. The eval asks the others."""
+    import train_async_grpo as T
+
+    servers = [FakeServer(), FakeServer()]
+    syncer, _ = fake_syncer("gloo", servers)
+    syncer.init()
+    syncer.sync(torch.nn.Linear(2, 2).named_parameters(), version=1)
+    syncer.take_out(servers[1].url, "still out of step after a re-sync")
+    asked = []
+
+    async def evaluate(urls, *rest) -> dict:
+        asked.append(urls)
+        return {}
+
+    monkeypatch.setattr(T, "evaluate", evaluate)
+    (tmp_path / "vllm-logs").mkdir()
+    run = SimpleNamespace(servers=[], out_dir=tmp_path, syncer=syncer, t_last=0.0)
+    T.evaluate_now(run, ("model", "template", "make_episode", [], "args", "expected_version"))
+    assert asked == [[servers[0].url]]
