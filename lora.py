@@ -41,7 +41,7 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 from vllm_server import vllm_max_lora_rank
-from weight_sync import HTTPStatusError, WeightSyncer, WeightSyncError, post
+from weight_sync import HTTPStatusError, WeightSyncer, WeightSyncError, _reset_kv, post
 
 # Every linear layer of attention and MLP in Qwen2/Qwen3/Llama: what `--lora-targets` defaults to, and
 # the modules vLLM serves LoRA on for these models (it packs q/k/v and gate/up; an adapter on a subset
@@ -229,11 +229,19 @@ def _post(url: str, route: str, body: dict, timeout_s: float) -> None:
         raise LoRAServerError(f"{route}: {e}") from None
 
 
-def load_adapter(url: str, version: int, path: Path, timeout_s: float = 120.0) -> None:
+def load_adapter(url: str, version: int, path: Path, timeout_s: float = 120.0, inplace: bool = False) -> None:
     """Load `version`'s adapter on the server at `url` as `v{version}`; from then on a request naming
-    it is sampled by it. The server reads `path` itself (vLLM's runtime LoRA route)."""
+    it is sampled by it. The server reads `path` itself (vLLM's runtime LoRA route). `inplace`: over
+    what the server holds under that name (its cached KV is not dropped: reset_kv)."""
     body = {"lora_name": adapter_name(version), "lora_path": str(Path(path).resolve())}
-    _post(url, "/v1/load_lora_adapter", body, timeout_s)
+    _post(url, "/v1/load_lora_adapter", body | ({"load_inplace": True} if inplace else {}), timeout_s)
+
+
+def reset_kv(url: str, timeout_s: float = 30.0) -> None:
+    """Drop the server's cached KV (running requests' too: they are recomputed). vLLM keys it by an
+    adapter's (name, path), so an adapter loaded again under both is otherwise served the KV of the
+    one it replaced (test_the_prefix_cache_is_keyed_by_adapter_and_an_in_place_reload_is_not)."""
+    _reset_kv(url, "/reset_prefix_cache?reset_running_requests=true", None, timeout_s)
 
 
 def unload_adapter(url: str, version: int, timeout_s: float = 30.0) -> None:
@@ -313,14 +321,23 @@ class AdapterSyncer(WeightSyncer):
         probe = write_adapter(self.model, self.root, 0, zeros).rename(self.root / PROBE_NAME)  # no version's
         for url in self.urls:
             check_server(url, probe, self.lora_rank)
-            for version in map(adapter_version, served_adapters(url)):
-                if version is not None:
-                    unload_adapter(url, version, self.http_timeout_s)
+            left = [v for v in map(adapter_version, served_adapters(url)) if v is not None]
+            for version in left:
+                unload_adapter(url, version, self.http_timeout_s)
+            if left:  # a resumed run rewrites their directories: its v{n} would meet their cached KV
+                reset_kv(url, self.http_timeout_s)
         shutil.rmtree(probe)
         self.join(self.urls)
 
     def join(self, urls: list[str]) -> None:
-        self.groups.update({u: set() for u in urls})  # a restarted server has lost its adapters
+        """The versions each server holds: none once restarted; those it kept if it only failed a sync
+        (loading one again by name is refused, and those left out would never be unloaded)."""
+        for u in urls:
+            try:
+                held = {adapter_version(name) for name in served_adapters(u)} - {None}
+            except Exception:  # noqa: BLE001 - not answering: it holds nothing we can use
+                held = set()
+            self.groups[u] = held
 
     def _release(self, urls: list[str]) -> None:
         for u in urls:
@@ -341,9 +358,14 @@ class AdapterSyncer(WeightSyncer):
         targets = [u for u in (urls or self.urls) if u in self.groups]
         for u in targets:
             try:
-                if version not in self.groups[u]:
-                    load_adapter(u, version, path)
+                # A subset sync (heal; the per-sync check's re-sync of a server found out of step) makes
+                # the server hold our adapter whatever it holds under the name: loaded again, in place.
+                again = urls is not None and version in self.groups[u]
+                if again or version not in self.groups[u]:
+                    load_adapter(u, version, path, inplace=again)
                     self.groups[u].add(version)
+                if again:
+                    reset_kv(u, self.http_timeout_s)
                 post(u, "/update_weight_version", {"new_version": str(version)}, self.http_timeout_s)
                 unload_versions(u, self.groups[u], version - 1)
                 self.failed.pop(u, None)

@@ -194,7 +194,9 @@ def test_the_prefix_cache_is_keyed_by_adapter_and_an_in_place_reload_is_not(serv
 
 def test_a_server_given_the_wrong_adapter_or_the_bare_base_is_caught(servers, adapters, served_model):
     """Behind the trainer's back, the server's `v2` is v1's adapter; or a request reaches the base model
-    without an adapter: the per-sync check refuses both."""
+    without an adapter: the per-sync check refuses both. Its re-sync of that server (a sync to it alone,
+    as SyncChecks.finish makes) loads our v2 over the wrong one, and the check passes. (It was a no-op,
+    the syncer taking v2 as loaded there: the server stayed out of step, and was taken out.)"""
     url = servers[0].url
     model, states, paths = adapters
     prompts = _prompts(served_model)
@@ -207,6 +209,42 @@ def test_a_server_given_the_wrong_adapter_or_the_bare_base_is_caught(servers, ad
         print(e.value)
         with pytest.raises(FidelityError, match="another distribution"):
             _check(url, served_model_name(url), model, states[2], prompts)
+        syncer = lora.AdapterSyncer([url], model, paths[2].parent, RANK)
+        syncer.join([url])  # the versions the server holds: its (wrong) v2 among them
+        assert 2 in syncer.groups[url]
+        set_peft_model_state_dict(model, states[2])
+        syncer.sync(None, 2, urls=[url])
+        assert _check(url, lora.adapter_name(2), model, states[2], prompts)["fidelity/max_abs_diff"] <= (
+            FP32_MAX_ABS_DIFF
+        )
+    finally:
+        lora.unload_adapter(url, 2)
+        lora.load_adapter(url, 2, paths[2])
+
+
+def test_a_resumed_run_is_not_served_the_killed_runs_cached_kv(servers, adapters, served_model, tmp_path):
+    """A run killed on a --vllm-url server left `v2` loaded from <out>/adapters/v2, its KV cached under
+    that name and path. The resumed run unloads it (AdapterSyncer.init), rewrites the directory with its
+    own v2 and loads it under the same name and path: what it samples is its own adapter's, not the
+    killed run's cached KV (which the check found 'another distribution' before init reset the cache)."""
+    url = servers[0].url
+    model, states, paths = adapters
+    prompts = _prompts(served_model)
+    root = tmp_path / "adapters"
+    set_peft_model_state_dict(model, states[1])
+    killed = lora.write_adapter(model, root, 2)  # the killed run's v2
+    _serve(url, 2, paths[2])
+    lora.unload_adapter(url, 2)
+    lora.load_adapter(url, 2, killed)
+    _check(url, lora.adapter_name(2), model, states[1], prompts)  # its KV in the cache
+    syncer = lora.AdapterSyncer([url], model, root, RANK)
+    syncer.init()  # the resumed run's start-up: the killed run's versions unloaded
+    set_peft_model_state_dict(model, states[2])
+    syncer.sync(None, 2)  # writes <root>/v2 again, with the resumed run's adapter, and loads it
+    try:
+        assert _check(url, lora.adapter_name(2), model, states[2], prompts)["fidelity/max_abs_diff"] <= (
+            FP32_MAX_ABS_DIFF
+        )
     finally:
         lora.unload_adapter(url, 2)
         lora.load_adapter(url, 2, paths[2])
