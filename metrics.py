@@ -267,9 +267,15 @@ def trajectory_record(
     trainer = trainer if len(trainer) == len(ids) else [None] * len(ids)
     pieces, kinds, turns, calls = [], [], [], []
     for t_index, t in enumerate(completion.turns):
+        # Every turn's calls, past the token cap too: the viewer counts them and files the row by them.
+        calls += [
+            {"name": c.name, "arguments": c.arguments, "result": c.result[:1000], "failed": c.failed,
+             "duration_s": round(c.duration_s, 4), "turn": t_index}
+            for c in t.tool_calls
+        ]  # fmt: skip
         start = len(pieces)
         if start >= len(ids):
-            break
+            continue
         gen = token_pieces(tokenizer, list(t.generated_ids))
         app = token_pieces(tokenizer, list(t.appended_ids))
         pieces += gen + app
@@ -279,11 +285,6 @@ def trajectory_record(
             "model_versions": list(t.model_versions), "finish_reason": t.finish_reason,
             "generation_s": round(t.generation_s, 4), "tool_s": round(t.tool_s, 4),
         })  # fmt: skip
-        calls += [
-            {"name": c.name, "arguments": c.arguments, "result": c.result[:1000], "failed": c.failed,
-             "duration_s": round(c.duration_s, 4), "turn": t_index}
-            for c in t.tool_calls
-        ]  # fmt: skip
     mask = completion.loss_mask[: len(ids)]
     mu = completion.behaviour_logprobs[: len(ids)]
     rnd = lambda x: None if x is None else round(x, 4)  # noqa: E731

@@ -483,12 +483,14 @@ def step_metrics(
 
 
 def evaluate_now(run: Run, eval_args: tuple) -> dict[str, float]:
-    """The greedy held-out eval (evaluate.py) on every server that answers; its time is not a step's."""
-    t_eval = time.monotonic()
+    """The greedy held-out eval (evaluate.py) on every server that answers; its time is not a step's,
+    nor are the rollout requests in flight during it (perf/requests_in_flight)."""
+    t_eval, request_s = time.monotonic(), run.worker.stats.request_seconds
     heal(run)
     metrics = asyncio.run(evaluate(list(run.syncer.urls), *eval_args))  # not those taken out since
     metrics["perf/eval_s"] = time.monotonic() - t_eval
     run.t_last += metrics["perf/eval_s"]
+    run.request_s += run.worker.stats.request_seconds - request_s
     return metrics
 
 

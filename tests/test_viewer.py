@@ -266,3 +266,24 @@ def test_missing_run_is_one_clear_line(tmp_path):
     )  # fmt: skip
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "completions.jsonl not found" in r.stderr and "--output-dir" in r.stderr
+
+
+def test_a_row_cut_at_the_token_cap_keeps_every_tool_call():
+    """A completion longer than MAX_LOGGED_TOKENS: its row's token arrays stop at the cap, but its tool
+    calls are all there (the viewer counts them and its filters file the row by them); a failed call
+    after the cap had vanished, filing the row under 'no tool calls'."""
+    from transformers import AutoTokenizer
+
+    from metrics import MAX_LOGGED_TOKENS, trajectory_record
+    from records import RolloutCompletion, RolloutGroup, ToolCallRecord, TurnRecord, group_metrics
+
+    c = RolloutCompletion(prompt_len=2, prompt_messages=[])
+    c.add_turn(TurnRecord((100,) * MAX_LOGGED_TOKENS, (-0.1,) * MAX_LOGGED_TOKENS, "stop", (0, 0)))
+    c.append_context([101, 102])
+    c.add_turn(TurnRecord((103, 104), (-0.1, -0.1), "stop", (0, 0)))
+    c.append_context([105], (ToolCallRecord("code_interpreter", {"code": "1/0"}, "ZeroDivisionError", True),))
+    c.add_turn(TurnRecord((106,), (-0.1,), "stop", (0, 0)))
+    group = RolloutGroup([], [1, 2], {"_index": 0}, [c, c], [0.0, 0.0], [0.0, 0.0], 0, group_metrics([c, c]))
+    row = trajectory_record(group, 0, 1, AutoTokenizer.from_pretrained(REPO / "models" / "tiny-warm"))
+    assert len(row["tokens"]["ids"]) == MAX_LOGGED_TOKENS and row["tokens_dropped"] == 6
+    assert [(x["name"], x["failed"], x["turn"]) for x in row["tool_calls"]] == [("code_interpreter", True, 1)]

@@ -7,6 +7,7 @@ twice, the tied model, a server dead before a sync (the tied one), two servers, 
 mid-sync and restarted. At most two servers are up at a time.
 """
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -1035,6 +1036,39 @@ def test_the_eval_goes_to_the_servers_still_in_the_run(tmp_path, monkeypatch):
 
     monkeypatch.setattr(T, "evaluate", evaluate)
     (tmp_path / "vllm-logs").mkdir()
-    run = SimpleNamespace(servers=[], out_dir=tmp_path, syncer=syncer, t_last=0.0)
+    run = SimpleNamespace(servers=[], out_dir=tmp_path, syncer=syncer, t_last=0.0, request_s=0.0,
+                          worker=SimpleNamespace(stats=SimpleNamespace(request_seconds=0.0)))  # fmt: skip
     T.evaluate_now(run, ("model", "template", "make_episode", [], "args", "expected_version"))
     assert asked == [[servers[0].url]]
+
+
+def test_the_requests_in_flight_during_an_eval_are_not_the_next_steps(monkeypatch):
+    """Rollouts go on during an --eval-every eval, whose seconds are taken out of the next step's
+    perf/step_s; their seconds in flight are taken out of it too, or perf/requests_in_flight, their mean
+    over the step, counted the eval's (4 in flight, a 1 s eval, a 0.25 s step: 19.9 instead of 4)."""
+    import train_async_grpo as T
+    from records import group_metrics
+
+    t0 = time.monotonic()
+
+    class Stats:  # the rollout worker's: 4 requests always in flight
+        groups_failed = groups_retried = 0
+        request_seconds = property(lambda self: 4 * (time.monotonic() - t0))
+
+    stats = Stats()
+
+    async def evaluate(*args) -> dict:
+        await asyncio.sleep(1.0)
+        return {}
+
+    monkeypatch.setattr(T, "evaluate", evaluate)
+    monkeypatch.setattr(T, "heal", lambda run: None)
+    run = SimpleNamespace(step=1, version=1, position=SimpleNamespace(frontier=0, pending=[]),
+                          worker=SimpleNamespace(stats=stats, client=SimpleNamespace(down=set())),
+                          syncer=SimpleNamespace(urls=[]), t_last=t0, request_s=0.0)  # fmt: skip
+    T.evaluate_now(run, ())
+    time.sleep(0.25)  # the step after it, on one group
+    group = _group_begun("http://server", (1, 1), 0.0)
+    group.staleness, group.metrics = 0, group_metrics(group.completions)
+    metrics = T.step_metrics(run, [group], ([group], 0, 0), 1, [{"ids": [1, 5]}], 0.0, 0.1)
+    assert metrics["perf/requests_in_flight"] == pytest.approx(4.0, rel=0.1)
