@@ -5,7 +5,9 @@ when asked and installed), and the completions.jsonl rows that scripts/view_roll
 
 import json
 import math
+import os
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -199,14 +201,19 @@ def keep_traced(traced: dict[int, list[float]], mb_seqs: list[dict], logprobs: t
         offset += n
 
 
+# The trainer process writing completions.jsonl: a resumed run appends the steps after its checkpoint
+# again, and the viewer keeps each step's rows of the last process that wrote it.
+WRITER = f"{os.getpid()}-{time.time_ns()}"
+
+
 def write_completions(
     completions_file, groups, logged, traced: dict, step: int, tokenizer, is_cap: float
 ) -> None:
     """The rows of the completions `logged` this step (logged_completions), with the trainer's logprobs
-    of each (`traced`, keyed by sequence index)."""
+    of each (`traced`, keyed by sequence index), and the process that wrote them (WRITER)."""
     for gi, ci, i in logged:
         row = trajectory_record(groups[gi], ci, step, tokenizer, traced.get(i), is_cap)
-        completions_file.write(json.dumps(row) + "\n")
+        completions_file.write(json.dumps(row | {"writer": WRITER}) + "\n")
     completions_file.flush()
 
 

@@ -55,7 +55,9 @@ def bucket(x: float, edges: tuple[float, ...]) -> int:
 
 def load_rows(path: Path) -> tuple[list[dict], int]:
     """Rows of completions.jsonl and the number of lines that were not JSON objects (a killed trainer
-    can leave a cut last line)."""
+    can leave a cut last line). A resumed run writes the steps after its checkpoint again: each step's
+    rows are those of the last process that wrote it (their `writer`), as plot_metrics keeps a step's
+    last metrics line."""
     rows, bad = [], 0
     for line in path.read_text(errors="replace").splitlines():
         if not line.strip():
@@ -69,7 +71,8 @@ def load_rows(path: Path) -> tuple[list[dict], int]:
             rows.append(row)
         else:
             bad += 1
-    return rows, bad
+    last = {r["step"]: r.get("writer") for r in rows}
+    return [r for r in rows if r.get("writer") == last[r["step"]]], bad
 
 
 def fmt(x, spec: str = ".2f") -> str:

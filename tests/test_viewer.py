@@ -287,3 +287,20 @@ def test_a_row_cut_at_the_token_cap_keeps_every_tool_call():
     row = trajectory_record(group, 0, 1, AutoTokenizer.from_pretrained(REPO / "models" / "tiny-warm"))
     assert len(row["tokens"]["ids"]) == MAX_LOGGED_TOKENS and row["tokens_dropped"] == 6
     assert [(x["name"], x["failed"], x["turn"]) for x in row["tool_calls"]] == [("code_interpreter", True, 1)]
+
+
+def test_a_resumed_runs_steps_show_its_own_rows(tmp_path):
+    """A run killed after logging step 3 and resumed from its step-2 checkpoint writes step 3 again: the
+    page shows that step's rows of the resumed run alone (both were shown, as one group of 4)."""
+    rows = [{"step": 2, "writer": "killed", "row_index": 0, "question": "q2"}]
+    rows += [{"step": 3, "writer": "killed", "row_index": 1, "question": "killed's"} for _ in range(2)]
+    rows += [{"step": 3, "writer": "resumed", "row_index": 1, "question": "resumed's"} for _ in range(2)]
+    (tmp_path / "completions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "page.html"
+    subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "view_rollouts.py"), str(tmp_path), "--out", str(out)],
+        check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+    page = out.read_text()
+    assert "step 3 · 2 completions" in page and "resumed&#x27;s" in page and "killed&#x27;s" not in page
+    assert "step 2 · 1 completions" in page
