@@ -228,6 +228,8 @@ def token_pieces(tokenizer, ids: list[int]) -> list[str]:
             continue
         pieces.append(text)
         start = k + 1
+    if start < len(ids):  # the ids end inside a character (a length cut): what they hold, to the last
+        pieces[-1] = tokenizer.decode(ids[start:], skip_special_tokens=False)
     return pieces
 
 

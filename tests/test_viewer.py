@@ -304,3 +304,17 @@ def test_a_resumed_runs_steps_show_its_own_rows(tmp_path):
     page = out.read_text()
     assert "step 3 · 2 completions" in page and "resumed&#x27;s" in page and "killed&#x27;s" not in page
     assert "step 2 · 1 completions" in page
+
+
+@pytest.mark.parametrize("text", ["x = 1 🎉🎉", "数学 ok", "plain"])
+def test_token_pieces_join_to_the_decoded_text_even_cut_inside_a_character(text):
+    """ "".join(pieces) == decode(ids), also for ids cut inside a multi-byte character (a generation
+    stopped by its length): those tokens' text was lost, and they showed with no width."""
+    from transformers import AutoTokenizer
+
+    from metrics import token_pieces
+
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny-warm")
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    for cut in (ids, ids[:-1]):
+        assert "".join(token_pieces(tokenizer, cut)) == tokenizer.decode(cut)
