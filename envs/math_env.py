@@ -101,10 +101,16 @@ def answers_match(predicted: str | None, answer: str) -> bool:
 
 
 def final_answer(messages: list[dict]) -> str | None:
-    """The final answer of the last assistant message (`last_answer`; None if there is none)."""
+    """The final answer of the last assistant message (`last_answer`; None if there is none), read
+    after its reasoning: a hermes turn's content keeps Qwen3's `<think>…</think>`, which the template
+    does not show as the reply (a `\\boxed{}` only in there was rewarded; harmony's `thinking` never
+    was)."""
     for m in reversed(messages):
         if isinstance(m, dict) and m.get("role") == "assistant":
-            return last_answer(m.get("content"))
+            content = m.get("content")
+            if isinstance(content, str) and "</think>" in content:
+                content = content.rsplit("</think>", 1)[1]
+            return last_answer(content)
     return None
 
 

@@ -134,6 +134,17 @@ def test_a_long_run_of_blanks_in_an_answer_line_is_read_in_linear_time(text, ans
     assert time.thread_time() - t0 < 1.0
 
 
+@pytest.mark.parametrize("env", ["math", "retool"])
+def test_the_answer_is_read_after_the_reasoning(env):
+    """Qwen3's turn keeps its `<think>…</think>` in the content (the template does not show it as the
+    reply): a box only in there is no answer, one after it is; with the opening tag in the prompt
+    (enable_thinking) the content has the closing one alone."""
+    ep = load_env(env).make_episode({"question": "q", "answer": "12"})
+    assert ep.reward(final("<think>\nIs it \\boxed{12}?\n</think>\n\nI am not sure."), []) == ep.wrong_reward
+    assert ep.reward(final("<think>\n\\boxed{3}\n</think>\n\nSo \\boxed{12}."), []) == 1.0
+    assert ep.reward(final("Is it 12?\n</think>\n\nAnswer: 12"), []) == 1.0
+
+
 def test_a_dapo_answer_line_is_rewarded():
     ep = load_env("retool").make_episode({"question": "q", "answer": "34"})
     assert ep.reward(final("x = 34, so\nAnswer: 34"), []) == 1.0
