@@ -245,9 +245,7 @@ class ChatTemplate:
                 if recipient
             ]
         if self.hermes:
-            bodies = re.findall(r"<tool_call>(.*?)</tool_call>", text, re.DOTALL)
-            if "<tool_call>" in text.rsplit("</tool_call>", 1)[-1]:
-                bodies.append(None)  # an unterminated call after the complete ones
+            bodies = _hermes_bodies(text)
         else:
             stripped = text.replace("<|python_tag|>", "").strip()
             for eos in (self.tokenizer.eos_token, "<|eot_id|>", "<|eom_id|>"):
@@ -322,9 +320,46 @@ def _harmony_messages(text: str) -> list[tuple[str, str, str, str]]:
     return out
 
 
+_BLANKS = re.compile(r"\s*")
+
+
+def _hermes_bodies(text: str) -> list[str | None]:
+    """The body of each `<tool_call>` in a hermes turn's text, None for one left unterminated (the last).
+    A body is the JSON object that opens it when a `</tool_call>` follows that object: one inside the
+    object's strings (code printing the tag, echoing a tool's output) is text the model wrote, not the
+    close (the decoded text no longer tells a control token from its characters); otherwise it runs to
+    the next `</tool_call>`, and `_parse_call` says what is wrong with it."""
+    bodies, pos, decoder = [], 0, json.JSONDecoder()
+    while (start := text.find("<tool_call>", pos)) >= 0:
+        start += len("<tool_call>")
+        end = text.find("</tool_call>", start)
+        try:
+            _, after = decoder.raw_decode(text, _BLANKS.match(text, start).end())
+            close = text.find("</tool_call>", after)
+            if close >= 0 and not text[after:close].strip():
+                end = close
+        except (ValueError, RecursionError):  # not JSON: the text to the next close is its body
+            pass
+        if end < 0:
+            bodies.append(None)
+            break
+        bodies.append(text[start:end])
+        pos = end + len("</tool_call>")
+    return bodies
+
+
+def _json(text: str):
+    """json.loads, a nesting too deep for Python's parser (model output: `[[[[…`) a decode error too
+    (it raised RecursionError out of the rollout, failing the group)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise json.JSONDecodeError("nested too deeply", text, 0) from None
+
+
 def _parse_call(body: str) -> tuple[str, dict | str, str | None]:
     try:
-        call = json.loads(body)
+        call = _json(body)
     except json.JSONDecodeError as e:
         return "", body, f"tool call is not valid JSON ({e.msg} at char {e.pos})"
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
@@ -332,7 +367,7 @@ def _parse_call(body: str) -> tuple[str, dict | str, str | None]:
     args = call.get("arguments", call.get("parameters"))
     if isinstance(args, str):  # some models double-encode the arguments
         try:
-            args = json.loads(args)
+            args = _json(args)
         except json.JSONDecodeError:
             pass
     if not isinstance(args, dict):
@@ -343,7 +378,7 @@ def _parse_call(body: str) -> tuple[str, dict | str, str | None]:
 def _parse_arguments(name: str, body: str) -> tuple[str, dict | str, str | None]:
     """A harmony call's body: the arguments object itself (the name is the recipient)."""
     try:
-        args = json.loads(body)
+        args = _json(body)
     except json.JSONDecodeError as e:
         return name, body, f"tool call is not valid JSON ({e.msg} at char {e.pos})"
     if not isinstance(args, dict):

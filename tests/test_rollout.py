@@ -4,6 +4,7 @@ model generated was re-tokenized."""
 
 import asyncio
 import functools
+import json
 import os
 import queue
 import threading
@@ -375,6 +376,41 @@ def test_parse_tool_calls(tokenizer):
     (open_,) = t.parse_tool_calls('text <tool_call>{"name": "f", "argu')
     assert open_[2] == "unterminated <tool_call>"
     assert t.parse_tool_calls("just an answer \\boxed{3}<|im_end|>") == []
+
+
+def test_a_call_whose_arguments_hold_the_closing_tag_is_read_whole(tokenizer):
+    """Code that prints `</tool_call>` (plain characters: generation stops only at the control token, and
+    the decoded text no longer tells them apart): the call is the JSON object, read whole, not cut at
+    the look-alike into a failed call; a body that is no JSON still ends at the first close."""
+    t = ChatTemplate(tokenizer, [code_interpreter])
+    code = "print('</tool_call>'); print(1)"
+    call = (
+        "<tool_call>\n"
+        + json.dumps({"name": "code_interpreter", "arguments": {"code": code}})
+        + "\n</tool_call>"
+    )
+    assert t.parse_tool_calls(call + "\n" + call) == [("code_interpreter", {"code": code}, None)] * 2
+    (bad, good) = t.parse_tool_calls("<tool_call>oops</tool_call>" + call)
+    assert bad[2].startswith("tool call is not valid JSON") and good == (
+        "code_interpreter",
+        {"code": code},
+        None,
+    )
+
+
+@pytest.mark.parametrize("body", ["[" * 100_000, '{"name": "f", "arguments": "' + "[" * 100_000 + '"}'])
+def test_a_call_nested_too_deeply_is_a_failed_call(tokenizer, body):
+    """Model output nested deeper than Python's JSON parser recurses raised RecursionError out of the
+    rollout (the whole group failed, at every retry): it is a failed call that says why."""
+    t = ChatTemplate(tokenizer, [code_interpreter])
+    (parsed,) = t.parse_tool_calls(f"<tool_call>{body}</tool_call>")
+    assert parsed[2] is not None and ("nested too deeply" in parsed[2] or "arguments" in parsed[2])
+    harmony = ChatTemplate(
+        with_template("gptoss.jinja", HARMONY_SPECIALS, eos="<|return|>"), [code_interpreter]
+    )
+    header = "<|channel|>commentary to=functions.code_interpreter <|constrain|>json<|message|>"
+    ((_, _, error),) = harmony.parse_tool_calls(header + "[" * 100_000 + "<|call|>")
+    assert "nested too deeply" in error
 
 
 def test_run_tool_failures_become_records():
