@@ -78,9 +78,10 @@ def test_a_repetition_penalty_is_refused_in_bf16_and_fp32_and_a_faithful_server_
 # ---------------------------------------------------------------------------------------------------
 # the per-sync check (fidelity.SyncChecks) on real servers and a real weight sync, beside the next step
 # ---------------------------------------------------------------------------------------------------
-def _group(k: int, url: str, versions: tuple[int, int]) -> RolloutGroup:
-    """A group whose one turn `url` generated over trainer `versions`; row {"k": k}."""
-    turn = TurnRecord((5,), (-0.1,), "stop", versions, servers=(url,))
+def _group(k: int, url: str, versions: tuple[int, int], started_s: float = 0.0) -> RolloutGroup:
+    """A group whose one turn `url` generated over trainer `versions`, its request sent at `started_s`;
+    row {"k": k}."""
+    turn = TurnRecord((5,), (-0.1,), "stop", versions, servers=(url,), started_s=started_s)
     completion = RolloutCompletion(1, [], turns=[turn])
     return RolloutGroup([], [1], {"k": k}, [completion], [1.0], [0.5], admitted_version=versions[0])
 

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import side_by_side
+from test_fidelity import _group
 from transformers import AutoModelForCausalLM
 
 import weight_sync
@@ -919,15 +920,6 @@ def test_the_version_moves_before_the_per_sync_check_and_a_recheck_draws_a_new_s
     assert syncer.taken_out == {} and metrics["fidelity/servers_resynced"] == 1.0
 
 
-def _group_begun(url: str, versions: tuple[int, int], started_s: float):
-    """A group of one turn that `url` generated over trainer `versions`, its request sent at `started_s`."""
-    from records import RolloutCompletion, RolloutGroup, TurnRecord
-
-    turn = TurnRecord((5,), (-0.1,), "stop", versions, servers=(url,), started_s=started_s)
-    completion = RolloutCompletion(1, [], turns=[turn])
-    return RolloutGroup([], [1], {}, [completion], [1.0], [0.5], admitted_version=versions[0])
-
-
 def test_one_server_re_synced_by_its_check_samples_for_training_again():
     """One server (the default set-up) whose check trips the bound once (bf16 noise) and passes after its
     re-sync: what it began before the re-sync is not trained and frees its admission slots, what it
@@ -953,9 +945,9 @@ def test_one_server_re_synced_by_its_check_samples_for_training_again():
                           optimizer=torch.optim.SGD(model.parameters(), lr=0.1))  # fmt: skip
     syncer.sync(model.named_parameters(), version=1)
     run.checks.start(1, 1)
-    before = [_group_begun(server.url, (1, 1), time.monotonic()) for _ in range(2)]
+    before = [_group(k, server.url, (1, 1), time.monotonic()) for k in range(2)]
     assert run.checks.finish()["fidelity/servers_resynced"] == 1.0  # at the previous batch's update
-    after = _group_begun(server.url, (1, 1), time.monotonic())
+    after = _group(2, server.url, (1, 1), time.monotonic())
     assert T.train_on(run, before, None, torch.device("cpu")) == (None, [])
     assert discarded == [2], "their slots: replacements must be admitted"
     assert not run.checks.sampled_out_of_step(after)
@@ -1068,7 +1060,7 @@ def test_the_requests_in_flight_during_an_eval_are_not_the_next_steps(monkeypatc
                           syncer=SimpleNamespace(urls=[]), t_last=t0, request_s=0.0)  # fmt: skip
     T.evaluate_now(run, ())
     time.sleep(0.25)  # the step after it, on one group
-    group = _group_begun("http://server", (1, 1), 0.0)
+    group = _group(0, "http://server", (1, 1))
     group.staleness, group.metrics = 0, group_metrics(group.completions)
     metrics = T.step_metrics(run, [group], ([group], 0, 0), 1, [{"ids": [1, 5]}], 0.0, 0.1)
     assert metrics["perf/requests_in_flight"] == pytest.approx(4.0, rel=0.1)
