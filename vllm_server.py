@@ -412,8 +412,11 @@ def start_vllm_servers(
 
 def write_servers_file(servers: list[VLLMServer], path: Path) -> None:
     """The process groups of launched servers: after a kill -9 of the trainer their engine processes can
-    outlive the API server; `kill -9 -PGID` of each cleans up."""
-    path.write_text(json.dumps([{"url": s.url, "pgid": s.proc.pid} for s in servers]))
+    outlive the API server; `kill -9 -PGID` of each cleans up. Written to a temp file and renamed: a kill
+    during a rewrite (heal's relaunch) leaves the old list or the new one, never an empty file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps([{"url": s.url, "pgid": s.proc.pid} for s in servers]))
+    os.replace(tmp, path)
 
 
 def relaunch_exited(servers: list[VLLMServer], servers_file: Path, stuck: Collection[str] = ()) -> None:

@@ -182,3 +182,38 @@ def test_relaunch_restarts_exited_and_stuck_servers(tmp_path):
     servers = [server("http://a", True), server("http://b", False), server("http://c", True)]
     vllm_server.relaunch_exited(servers, tmp_path / "servers.json", stuck={"http://c"})
     assert restarted == ["http://b", "http://c"]
+
+
+def test_the_servers_file_is_never_seen_half_written(tmp_path):
+    """A reader (the person cleaning up after a kill -9, at any moment) finds a whole servers file while
+    heal rewrites it: written in place, a read between the truncation and the write found it empty."""
+    path = tmp_path / "servers.json"
+    servers = [
+        SimpleNamespace(url=f"http://127.0.0.1:{8000 + i}", proc=SimpleNamespace(pid=1000 + i))
+        for i in range(64)
+    ]
+    vllm_server.write_servers_file(servers, path)
+    reader = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(
+                f"""
+                import json, sys
+                bad = 0
+                for _ in range(20000):
+                    try:
+                        json.loads(open({str(path)!r}).read())
+                    except ValueError:
+                        bad += 1
+                print(bad)
+                """
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    while reader.poll() is None:
+        vllm_server.write_servers_file(servers, path)
+    assert reader.stdout.read().strip() == "0"
+    assert json.loads(path.read_text())[63] == {"url": "http://127.0.0.1:8063", "pgid": 1063}
