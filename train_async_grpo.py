@@ -219,6 +219,8 @@ def check_args(args: argparse.Namespace) -> None:
     checks = [
         (args.vllm_gpus is not None and args.vllm_gpus < 1, f"--vllm-gpus must be ≥ 1, got {args.vllm_gpus}"),
         (args.reward_timeout <= 0, f"--reward-timeout must be > 0 seconds, got {args.reward_timeout}"),
+        (args.server_timeout <= 0, f"--server-timeout must be > 0 seconds, got {args.server_timeout}"),
+        (args.batch_timeout <= 0, f"--batch-timeout must be > 0 seconds, got {args.batch_timeout}"),
         (args.temperature <= 0,
          f"--temperature must be > 0 for training (logprobs divide by it), got {args.temperature}"),
         (not 0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}"),

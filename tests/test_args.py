@@ -37,6 +37,8 @@ def test_bad_arguments_fail_before_anything_starts(capsys, tiny_model):
         (["--temperature", "nan"], "--temperature must be a finite number, got nan"),
         (["--lr", "nan"], "--lr must be a finite number"),
         (["--eps-high", "inf"], "--eps-high must be a finite number, got inf"),
+        (["--batch-timeout", "0"], "--batch-timeout must be > 0 seconds, got 0.0"),
+        (["--server-timeout", "-5"], "--server-timeout must be > 0 seconds, got -5.0"),
     ]:
         with pytest.raises(SystemExit):
             T.main(["--model", str(tiny_model), *argv])
