@@ -2,13 +2,14 @@
 template (no aiohttp, no server). The prompt is rendered once; each tool turn's ids are the template's
 rendering of just that suffix; only the template's own markers become control ids (a tool that prints
 `<|im_end|>` gives the model those characters); tool calls are parsed from the decoded text of the
-model's ids (hermes `<tool_call>` JSON as Qwen2.5 and Qwen3 write it, gpt-oss harmony), never re-encoded.
+model's ids (hermes `<tool_call>` JSON as Qwen2.5 and Qwen3 write it, gpt-oss harmony: its messages told
+apart at the ids' control tokens), never re-encoded.
 """
 
 import json
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from tokenizers import Tokenizer
 from transformers.utils import get_json_schema
@@ -64,6 +65,7 @@ class ChatTemplate:
         added = {a.content: i for i, a in tokenizer.added_tokens_decoder.items()}
         self._plain = _without_added_tokens(tokenizer.backend_tokenizer)
         self._marker_ids = added
+        self._marker_texts = {i: text for text, i in added.items()}
         self._markers = re.compile("(" + "|".join(map(re.escape, sorted(added, key=len, reverse=True))) + ")")
         # The id that ends a tool call: generation stops there and includes it (Llama-3.1's is eos).
         self.stop_token_ids: list[int] = []
@@ -232,8 +234,28 @@ class ChatTemplate:
             with_sentinels, rendered = with_sentinels[first.end() :], rendered[first.end() :]
         return self._encode_render(with_sentinels, rendered, contents)
 
-    def parse_tool_calls(self, text: str) -> list[tuple[str, dict | str, str | None]]:
-        """(name, arguments, error) per call in a turn's text; error is None for a well-formed call."""
+    def _split_at_markers(self, text: str, ids: Sequence[int] | None) -> list[str]:
+        """The turn's text split at its control tokens, the markers at odd indices (`self._markers.split`).
+        From the turn's generated `ids` where given (the rollout): a marker's characters the model wrote
+        as plain text (code printing `<|call|>`) stay text, which the decoded text no longer tells apart."""
+        if ids is None:
+            return self._markers.split(text)
+        pieces, start, decode = [], 0, self.tokenizer.backend_tokenizer.decode
+        for k, i in enumerate(ids):
+            if i in self._marker_texts:
+                pieces += [
+                    decode(ids[start:k], skip_special_tokens=False) if k > start else "",
+                    self._marker_texts[i],
+                ]
+                start = k + 1
+        return pieces + [decode(ids[start:], skip_special_tokens=False)]
+
+    def parse_tool_calls(
+        self, text: str, ids: Sequence[int] | None = None
+    ) -> list[tuple[str, dict | str, str | None]]:
+        """(name, arguments, error) per call in a turn's text; error is None for a well-formed call.
+        `ids`, the turn's generated ids, tell harmony's control tokens from their characters
+        (`_split_at_markers`)."""
         if self.format == "none":  # no tools and a template that cannot write a call: nothing is one
             return []
         if self.format == "harmony":
@@ -241,7 +263,7 @@ class ChatTemplate:
                 _parse_arguments(recipient.removeprefix("functions."), body)
                 if end == "<|call|>"
                 else (recipient.removeprefix("functions."), body, "unterminated call (no <|call|>)")
-                for _, recipient, body, end in _harmony_messages(text)
+                for _, recipient, body, end in _harmony_messages(self._split_at_markers(text, ids))
                 if recipient
             ]
         if self.hermes:
@@ -259,12 +281,13 @@ class ChatTemplate:
             for b in bodies
         ]
 
-    def assistant_message(self, text: str, calls: list) -> dict:
+    def assistant_message(self, text: str, calls: list, ids: Sequence[int] | None = None) -> dict:
         """The chat message of a generated turn (what rewards and a later re-render see): hermes keeps the
         text before the first call (reasoning included), harmony the final channel's text with the
-        analysis channel as `thinking`, Llama-3.1 the text of a turn without a call."""
+        analysis channel as `thinking` (its messages told apart at the control tokens of `ids`, as in
+        `parse_tool_calls`), Llama-3.1 the text of a turn without a call."""
         if self.format == "harmony":
-            messages = _harmony_messages(text)
+            messages = _harmony_messages(self._split_at_markers(text, ids))
             final = [body for channel, recipient, body, _ in messages if channel == "final" and not recipient]
             analysis = [body for channel, _, body, _ in messages if channel == "analysis"]
             message = {"role": "assistant", "content": "" if calls else "".join(final)}
@@ -305,18 +328,34 @@ def _with_sentinels(messages: list[dict]) -> tuple[list[dict], list[str]]:
     return marked, contents
 
 
-def _harmony_messages(text: str) -> list[tuple[str, str, str, str]]:
-    """(channel, recipient, body, end marker) of each harmony message in a generated turn. The first
-    message's `<|start|>assistant` is the prompt's; later ones start with their own."""
-    out = []
-    for segment in text.split("<|start|>"):
-        header, sep, rest = segment.partition("<|message|>")
-        if not sep:
-            continue
-        body, end = re.match(r"(.*?)(<\|end\|>|<\|call\|>|<\|return\|>|$)", rest, re.DOTALL).groups()
-        channel = re.search(r"<\|channel\|>\s*(\w+)", header)
-        recipient = re.search(r"\bto=([^\s<]+)", header)
-        out.append((channel.group(1) if channel else "", recipient.group(1) if recipient else "", body, end))
+_HARMONY_ENDS = ("<|end|>", "<|call|>", "<|return|>")
+
+
+def _harmony_messages(pieces: list[str]) -> list[tuple[str, str, str, str]]:
+    """(channel, recipient, body, end marker) of each harmony message in a generated turn, from its text
+    split at the control tokens (`ChatTemplate._split_at_markers`: markers at odd indices), so a body
+    holding a marker's characters is read whole. The first message's `<|start|>assistant` is the
+    prompt's; later ones start with their own. One pass over the markers."""
+    out, begin, at, close = [], 0, None, None
+    for k in [*range(1, len(pieces), 2), len(pieces)]:  # each marker, then the end of the turn
+        marker = pieces[k] if k < len(pieces) else "<|start|>"
+        if marker == "<|message|>" and at is None:
+            at = k
+        elif marker in _HARMONY_ENDS and at is not None and close is None:
+            close = k
+        elif marker == "<|start|>":
+            if at is not None:
+                header = pieces[begin:at]
+                channel = next(
+                    (header[i + 1] for i in range(1, len(header), 2) if header[i] == "<|channel|>"), ""
+                )
+                channel = re.match(r"\s*(\w*)", channel).group(1)
+                recipient = re.search(r"\bto=([^\s<]+)", "".join(header))
+                body = "".join(pieces[at + 1 : close or k])
+                out.append(
+                    (channel, recipient.group(1) if recipient else "", body, pieces[close] if close else "")
+                )
+            begin, at, close = k + 1, None, None
     return out
 
 

@@ -375,8 +375,10 @@ async def tool_loop_rollout(ctx: RolloutContext, episode, prompt_ids: list[int])
                 break
         last = comp.turns[-1]
         text = tokenizer.decode(last.generated_ids, skip_special_tokens=False)
-        calls = ctx.template.parse_tool_calls(text) if last.finish_reason != "length" else []
-        message = ctx.template.assistant_message(text, calls)
+        calls = (
+            ctx.template.parse_tool_calls(text, last.generated_ids) if last.finish_reason != "length" else []
+        )
+        message = ctx.template.assistant_message(text, calls, last.generated_ids)
         comp.trajectory.append(TaggedMessage(message, generated=True))
         if last.finish_reason == "length":
             comp.stop_reason = "context_budget"

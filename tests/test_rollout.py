@@ -361,6 +361,37 @@ def test_harmony_parse_tool_calls():
     assert template.parse_tool_calls("<|channel|>final<|message|>4<|return|>") == []
 
 
+def test_a_harmony_call_whose_arguments_hold_its_markers_is_read_whole():
+    """Code that prints `<|call|>` and reasoning that writes `<|end|>` (plain characters: the model's ids
+    hold them as text, and generation stops only at the control token): the rollout tells harmony's
+    messages apart at the control ids, so the call's arguments are read whole, not cut at the look-alike
+    into a failed call, and the reasoning is kept whole too (the decoded text no longer tells them apart)."""
+    tok = with_template("gptoss.jinja", HARMONY_SPECIALS, eos="<|return|>")
+    template = ChatTemplate(tok, [code_interpreter])
+    code = 'print("<|call|>", "<|end|>"); print(7)'
+    call = (
+        tok.encode("<|channel|>analysis<|message|>", add_special_tokens=False)
+        + template.encode_plain("A message ends at <|end|>.")
+        + tok.encode(
+            "<|end|><|start|>assistant<|channel|>commentary to=functions.code_interpreter <|constrain|>json"
+            "<|message|>",
+            add_special_tokens=False,
+        )
+        + template.encode_plain(json.dumps({"code": code}))
+        + tok.encode("<|call|>", add_special_tokens=False)
+    )
+    final = "<|channel|>final<|message|>The answer is \\boxed{7}.<|return|>"
+    ctx = RolloutContext(
+        ScriptedClient(tok, [call, final]), template, {}, 3, 4000, lambda: 0, asyncio.Semaphore(2)
+    )
+    episode = FakeEpisode(1, None)
+    c = asyncio.run(tool_loop_rollout(ctx, episode, template.prompt_ids(episode.messages)))
+    assert [(tc.name, tc.arguments, tc.failed) for tc in c.tool_calls] == [
+        ("code_interpreter", {"code": code}, False)
+    ]
+    assert c.messages[1]["thinking"] == "A message ends at <|end|>." and c.stop_reason == "eos"
+
+
 def test_parse_tool_calls(tokenizer):
     t = ChatTemplate(tokenizer, [code_interpreter])
     ok = t.parse_tool_calls('<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>')
@@ -480,14 +511,15 @@ def test_truncated_follows_stop_reason(reason, truncated):
 
 class ScriptedClient:
     """Stands in for vLLM only to script turn shapes the tiny model cannot produce on demand: each
-    call pops the next (text, logprob) script, cut to max_tokens like vLLM's `length` finish."""
+    call pops the next script (a text, or the ids themselves), cut to max_tokens like vLLM's `length`
+    finish."""
 
     def __init__(self, tokenizer, script):
         self.tokenizer, self.script, self.calls = tokenizer, list(script), []
 
     async def generate(self, prompt_ids, max_tokens, sampling):
         text = self.script.pop(0) if self.script else "done<|im_end|>"
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = list(text) if isinstance(text, list) else self.tokenizer.encode(text, add_special_tokens=False)
         finish = "stop"
         if len(ids) > max_tokens:
             ids, finish = ids[:max_tokens], "length"
