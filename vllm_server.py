@@ -15,6 +15,7 @@ temperature), which is what the GRPO loss needs as μ.
 
 import argparse
 import atexit
+import errno
 import http.client
 import ipaddress
 import json
@@ -63,6 +64,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def port_taken(host: str, port: int) -> bool:
+    """Is `port` already bound on `host`? Whatever listens there would answer /health for our server."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as vLLM binds it
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
 
 
 def is_loopback(host: str) -> bool:  # ValueError, one line, for a name that does not resolve
@@ -118,17 +130,17 @@ shutil.rmtree(run_dir, ignore_errors=True)
 """
 
 
-def _start_watchdog(pgid: int, run_dir: Path) -> int:
+def _start_watchdog(pgid: int, run_dir: Path) -> tuple[int, subprocess.Popen]:
     """Start the watchdog for process group `pgid` (and its `run_dir`); returns the write end of its
-    lifeline pipe."""
+    lifeline pipe, and the watchdog."""
     read_end, write_end = os.pipe()  # both close-on-exec: no other child inherits the lifeline
-    subprocess.Popen(
+    watchdog = subprocess.Popen(
         [sys.executable, "-c", _WATCHDOG, str(pgid), str(read_end), str(run_dir)],
         pass_fds=(read_end,),
         start_new_session=True,
     )
     os.close(read_end)
-    return write_end
+    return write_end, watchdog
 
 
 def physical_gpus(indices: str) -> str:
@@ -172,7 +184,7 @@ class VLLMServer:
             self.proc = subprocess.Popen(
                 self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
             )
-        self._lifeline = _start_watchdog(self.proc.pid, self.run_dir)
+        self._lifeline, self._watchdog = _start_watchdog(self.proc.pid, self.run_dir)
         _live_servers.append(self)
 
     def restart(self) -> None:
@@ -238,6 +250,11 @@ class VLLMServer:
         if self._lifeline is not None:
             os.close(self._lifeline)  # the watchdog exits
             self._lifeline = None
+            # ... after removing run_dir: wait for that, or it removes the one restart() makes next
+            try:
+                self._watchdog.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def __enter__(self) -> "VLLMServer":
@@ -296,6 +313,10 @@ def start_vllm_server(
     `server_class` runs the command (the tests' own servers: forked from a process that imported vLLM).
     """
     port = port or free_port()
+    if port_taken(host, port):
+        raise RuntimeError(
+            f"port {port} on {host} is already in use (another server running?): choose another"
+        )
     on_gpu = torch.cuda.is_available()
     # GPU: bf16, the dtype of the Qwen2.5 checkpoints (fp32 would take twice the memory and lose the fast
     # kernels). CPU: fp32, so the CPU tests compare the server's logprobs with the trainer's exactly.
@@ -401,8 +422,9 @@ def start_vllm_servers(
                     **kwargs,
                 )
             )
+        deadline = time.monotonic() + kwargs.get("timeout_s", 300.0)  # one limit for all: started together
         for s in servers:
-            s.wait_healthy(kwargs.get("timeout_s", 300.0))
+            s.wait_healthy(max(deadline - time.monotonic(), 0.0))
     except BaseException:
         for s in servers:
             s.stop()
@@ -460,6 +482,10 @@ def main() -> None:
     args = p.parse_args()
     if args.num_servers < 1:
         p.error(f"--num-servers must be at least 1, got {args.num_servers}")
+    if torch.cuda.is_available() and args.num_servers > torch.cuda.device_count():
+        p.error(
+            f"--num-servers {args.num_servers}: one server a GPU, and {torch.cuda.device_count()} are visible"
+        )
     # Stop cleanly on Ctrl-C and on SIGTERM (`kill`, Slurm), also when started in the background, where
     # the shell leaves SIGINT ignored and Python would never raise KeyboardInterrupt.
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -474,7 +500,11 @@ def main() -> None:
             print(f"serving {args.model} at {s.url} (log {s.log_path})", flush=True)
         while all(s.alive() for s in servers):
             time.sleep(1)
-        print("a server exited; stopping", file=sys.stderr)
+        dead = next(s for s in servers if not s.alive())  # a crash is a failure, for `make serve` and Slurm
+        sys.exit(
+            f"vllm_server.py: vLLM server {dead.url} exited with code {dead.proc.returncode}; the others are "
+            f"stopped; log {dead.log_path} ends with:\n{dead.log_tail()}"
+        )
     except KeyboardInterrupt:
         pass
     except (RuntimeError, TimeoutError) as e:  # a server that exited or never answered: its log says why

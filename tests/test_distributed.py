@@ -6,6 +6,7 @@ and the other ranks' wait for rank 0's next message."""
 import functools
 import json
 import os
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,16 +25,21 @@ from distributed import init_distributed, plan_devices, shard_model
 def recorded_launches(monkeypatch):
     """A mocked GPU box whose server launches are recorded (the CUDA_VISIBLE_DEVICES each server gets,
     the start-up timeout each is waited for), never run."""
-    launched = []
+    launched, run_dirs = [], []
+
+    def launch(s) -> None:
+        launched.append(s.env["CUDA_VISIBLE_DEVICES"])
+        run_dirs.append(s.run_dir)
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(
-        vllm_server.VLLMServer, "_launch", lambda s: launched.append(s.env["CUDA_VISIBLE_DEVICES"])
-    )
+    monkeypatch.setattr(vllm_server.VLLMServer, "_launch", launch)
     monkeypatch.setattr(
         vllm_server.VLLMServer, "wait_healthy", lambda s, timeout_s: launched.append(timeout_s)
     )
     monkeypatch.setattr(vllm_server.VLLMServer, "stop", lambda s: None)
-    return launched
+    yield launched
+    for run_dir in run_dirs:  # each launch made one in /tmp
+        shutil.rmtree(run_dir)
 
 
 @pytest.mark.parametrize(

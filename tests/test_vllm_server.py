@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -118,33 +119,106 @@ def test_no_servers_asked_for_is_one_line(n, monkeypatch, capsys):
     assert capsys.readouterr().err.splitlines()[-1].endswith(f"--num-servers must be at least 1, got {n}")
 
 
-def test_num_servers_start_together_each_on_its_own_gpu(monkeypatch):
-    """`vllm_server.py --num-servers 3`: every server is launched before any is waited on (N cold
-    starts take the time of one), each waited on for --start-timeout, and server i gets GPU i of this
-    process's CUDA_VISIBLE_DEVICES. A mocked GPU box: launches are recorded, not run."""
-    events = []
+def _mocked_gpu_box(monkeypatch, events: list, alive: bool) -> None:
+    """A GPU box of 3 visible GPUs for `vllm_server.main()`: launches are recorded, not run; each wait
+    takes 1,000 s of a clock of its own; once the servers are up, main() sees them `alive` (else exited
+    with -9) and, alive, gets Ctrl-C."""
+    clock = [0.0]
+
+    def wait(s, timeout_s: float) -> None:
+        events.append(("wait", s.url, timeout_s))
+        clock[0] += 1000
+
+    def ctrl_c(_s: float) -> None:
+        raise KeyboardInterrupt
+
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,5")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
     server = vllm_server.VLLMServer
     monkeypatch.setattr(
-        server, "_launch", lambda s: events.append(("launch", s.url, s.env["CUDA_VISIBLE_DEVICES"]))
+        server,
+        "_launch",
+        lambda s: (
+            setattr(s, "proc", SimpleNamespace(returncode=None if alive else -9)),
+            events.append(("launch", s.url, s.env["CUDA_VISIBLE_DEVICES"])),
+        ),
     )
-    monkeypatch.setattr(
-        server, "wait_healthy", lambda s, timeout_s: events.append(("wait", s.url, timeout_s))
-    )
-    monkeypatch.setattr(server, "alive", lambda s: False)  # main() returns once the servers are up
+    monkeypatch.setattr(server, "wait_healthy", wait)
+    monkeypatch.setattr(server, "alive", lambda s: alive)
     monkeypatch.setattr(server, "stop", lambda s, grace_s=10.0: shutil.rmtree(s.run_dir))
+    monkeypatch.setattr(vllm_server, "time", SimpleNamespace(monotonic=lambda: clock[0], sleep=ctrl_c))
     monkeypatch.setattr(vllm_server.signal, "signal", lambda *a: None)  # leave pytest's handlers alone
+
+
+def test_num_servers_start_together_each_on_its_own_gpu(monkeypatch):
+    """`vllm_server.py --num-servers 3`: every server is launched before any is waited on (N cold
+    starts take the time of one), the waits share --start-timeout (it is the whole wait, not one per
+    server), and server i gets GPU i of this process's CUDA_VISIBLE_DEVICES."""
+    events = []
+    _mocked_gpu_box(monkeypatch, events, alive=True)
     argv = ["vllm_server.py", "--num-servers", "3", "--port", "9100", "--start-timeout", "2400"]
     monkeypatch.setattr(sys, "argv", argv)
     vllm_server.main()
     urls = [f"http://127.0.0.1:{9100 + i}" for i in range(3)]
     assert events == [("launch", u, g) for u, g in zip(urls, ["2", "3", "5"])] + [
-        ("wait", u, 2400.0) for u in urls
+        ("wait", u, t) for u, t in zip(urls, [2400.0, 1400.0, 400.0])
     ]
 
 
-@pytest.mark.timeout(120)
+def test_a_server_that_exits_while_serving_fails_the_command(monkeypatch, capsys):
+    """A server killed while serving (an OOM kill, an engine crash) ends `vllm_server.py` with exit 1
+    and one line naming it, not "a server exited; stopping" and exit 0 (Slurm and restart loops read
+    a clean finish); more servers than visible GPUs is one line before anything starts."""
+    _mocked_gpu_box(monkeypatch, [], alive=False)
+    monkeypatch.setattr(sys, "argv", ["vllm_server.py", "--num-servers", "2", "--port", "9100"])
+    with pytest.raises(SystemExit) as e:
+        vllm_server.main()
+    assert str(e.value.code).startswith(
+        "vllm_server.py: vLLM server http://127.0.0.1:9100 exited with code -9"
+    )
+    monkeypatch.setattr(sys, "argv", ["vllm_server.py", "--num-servers", "4"])
+    with pytest.raises(SystemExit) as e:
+        vllm_server.main()
+    assert e.value.code == 2
+    assert (
+        capsys.readouterr()
+        .err.splitlines()[-1]
+        .endswith("--num-servers 4: one server a GPU, and 3 are visible")
+    )
+
+
+def test_a_port_already_in_use_is_one_line_not_someone_elses_health(tmp_path):
+    """Another service on the port answered our health check: the command said it was serving, our
+    vLLM died of "Address already in use", and it exited 0. Now the launch refuses the port at once."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"port {port} on 127.0.0.1 is already in use"):
+            vllm_server.start_vllm_server("models/tiny", port=port, log_dir=tmp_path, timeout_s=1)
+
+
+def test_a_restarted_server_keeps_its_run_dir(tmp_path):
+    """heal's relaunch: the old watchdog, woken by stop(), removed the run dir (the server's sockets and
+    TMPDIR) after restart() had made it again for the new server, which then died at start-up (real
+    vLLM: 2 restarts in 10). stop() now returns once its watchdog is done."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    stand_in = [sys.executable, "-c", "import time; time.sleep(600)"]
+    s = vllm_server.VLLMServer(stand_in, {"PATH": os.environ["PATH"]}, "http://x", tmp_path / "log", run_dir)
+    try:
+        for _ in range(5):
+            old_watchdog = s._watchdog
+            s.restart()
+            assert old_watchdog.poll() is not None
+            time.sleep(0.2)
+            assert run_dir.is_dir() and s.alive()
+    finally:
+        s.stop()
+    assert not run_dir.exists() and s._watchdog.poll() is not None
+
+
 def test_a_server_slower_than_the_start_timeout_fails_in_one_line(tiny_model):
     """A real server given 1 s: the command exits 1 naming the server, the limit and its log, with no
     traceback of ours."""
