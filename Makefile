@@ -126,6 +126,7 @@ bench: install tiny-model
 	$(PY) bench/bench_lora_sync.py --out bench/results.json
 	$(PY) bench/bench_sandbox.py --out bench/results.json
 	$(PY) bench/bench_packing.py --out bench/results.json
+	$(PY) bench/bench_packing.py --widen 4 --sequences 16 --repeats 3 --out bench/results.json
 	$(PY) bench/bench_trainer.py --out bench/results.json
 	$(PY) bench/bench_fidelity.py --out bench/results.json
 	$(PY) bench/bench_openmp.py --out bench/results.json

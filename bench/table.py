@@ -149,8 +149,7 @@ def rows(r: dict) -> list[tuple[str, str, str, str]]:
         out.append((
             "7. per-request seeds: seeded tok/s / unseeded tok/s",
             f"{d['ratio']}x ({d['seeded_tok_s']} / {d['unseeded_tok_s']})",
-            "the server: no cost measurable at ±20 % run-to-run noise (loaded machine; seeded the "
-            "faster in 6 of 8 alternating pairs, cause not investigated)",
+            "the server: no cost measurable at ±20 % run-to-run noise (loaded machine)",
             d["command"],
         ))  # fmt: skip
     if "fidelity_check_share_of_step" in r:
@@ -195,12 +194,28 @@ def rows(r: dict) -> list[tuple[str, str, str, str]]:
             name = next(k for k, v in steps.items() if v is best)
             old = steps.get("old_head_ckpt_on", {})
             out.append((
-                f"10. GPU ({t['device'].split(' (')[0]}), {preset}: best MFU; over the old head's step",
+                f"10. GPU ({t['device'].split(' (')[0]}), {preset}: best MFU; its tok/s over the old head's "
+                "with checkpointing on (old_head_ckpt_on: not like for like where the best runs without)",
                 f"{best['mfu']:.1%} ({name}, {best['tok_s']:.0f} tok/s, peak {best['peak_gib']} GiB)"
                 + (f"; {best['tok_s'] / old['tok_s']:.2f}x" if "tok_s" in old else ""),
                 "not profiled yet: make bench-gpu (--profile) says where the step's time goes",
                 t["command"],
             ))  # fmt: skip
+    for key in sorted(k for k in r if k.startswith("lora_sync")):
+        lo, st = r[key], r[key]["trainer_step"]
+        out.append((
+            f"11. LoRA rank {lo['rank']} (widen {lo['widen']}): adapter sync / full sync s; decode with the "
+            "adapter / base; trainer step LoRA / full",
+            f"{lo['adapter_sync_seconds'] / lo['full_sync_seconds']:.2f}x ({lo['adapter_sync_seconds']} / "
+            f"{lo['full_sync_seconds']} s; {lo['adapter_mb']} / {lo['full_mb']} MB); decode "
+            f"{lo['decode_slowdown']}x slower ({lo['decode_tokens_per_s_adapter']} / "
+            f"{lo['decode_tokens_per_s_base']} tok/s); step {st['lora_over_full_tok_s']}x tok/s "
+            f"({st['lora']['tok_s']} / {st['full']['tok_s']}), {st['lora_over_full_above_imports']}x memory "
+            f"above the imports ({st['lora']['above_imports_mb']} / {st['full']['above_imports_mb']} MB)",
+            "sync: writing, loading and unloading an adapter (~1 % of the bytes) against the full protocol; "
+            "decode: vLLM's unmerged LoRA matmuls per layer; step: the frozen base still runs forward and "
+            "backward (docs/lora.md)", lo["command"],
+        ))  # fmt: skip
     return out
 
 

@@ -31,3 +31,10 @@ def test_replace_table_replaces_the_table_alone() -> None:
 def test_replace_table_without_a_table_says_where_it_goes() -> None:
     with pytest.raises(SystemExit, match="no line .* to replace; put it where the table goes"):
         replace_table("# no table\n", [HEADER])
+
+
+def test_every_figure_in_the_results_file_has_a_row() -> None:
+    results = json.loads((REPO / "bench/results.json").read_text())
+    table = "\n".join(render(results))
+    missing = [k for k, v in results.items() if f"`{v['command']}`" not in table]
+    assert not missing, f"bench/table.py renders no row for {missing}"
