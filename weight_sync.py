@@ -402,28 +402,36 @@ class WeightSyncer:
         futures = [pool.submit(post, u, "/init_weight_transfer_engine", b, self.transfer_timeout_s)
                    for u, b in zip(urls, bodies)]  # fmt: skip
         pool.shutdown(wait=False)
-        joined = {}
-        try:
-            for members, port, world in joins:
-                group = self._join(port, world)
-                joined.update({u: group for u in members})
-        except Exception as e:
-            errors = _collect(urls, futures, 5)  # a server's own error explains more than our timeout
-            dialed = {u: f"{self.master_address}:{port}" for members, port, _ in joins for u in members}
+        # Joined side by side (gloo: one group per server), so one server that cannot join neither costs
+        # the others their group nor leaves the groups formed before it holding a store (sockets, threads).
+        jpool = ThreadPoolExecutor(max_workers=len(joins))
+        attempts = [(members, port, jpool.submit(self._join, port, world)) for members, port, world in joins]
+        jpool.shutdown(wait=True)
+        joined, failed = {}, {}
+        for members, port, attempt in attempts:
+            try:
+                joined.update({u: attempt.result() for u in members})
+            except Exception as e:  # noqa: BLE001 - named below, after the others joined
+                failed.update({u: (port, e) for u in members})
+        errors = _collect(urls, futures, 5 if failed else self.transfer_timeout_s)
+        for u in [u for u in joined if u in errors]:
+            self.stores.pop(joined.pop(u), None)
+        self.groups.update(joined)
+        if failed:
+            e = next(iter(failed.values()))[1]
             detail = "; ".join(
-                f"{u} was told to dial {dialed[u]}" + (f" and reported {errors[u]}" if u in errors else "")
-                for u in urls
+                f"{u} was told to dial {self.master_address}:{port}"
+                + (f" and reported {errors[u]}" if u in errors else "")
+                for u, (port, _) in failed.items()
             )
             raise WeightSyncError(
                 f"init: the servers did not join the {self.backend} transfer group(s) within "
-                f"{self.transfer_timeout_s:.0f} s: {detail}. Can they reach {self.master_address}? "
-                f"If not, pass --sync-host with an address of this host they can reach. (Trainer side: "
-                f"{type(e).__name__}: {str(e)[:300]})"
+                f"{self.transfer_timeout_s:.0f} s: {detail} (joined: {', '.join(joined) or 'none'}). Can "
+                f"they reach {self.master_address}? If not, pass --sync-host with an address of this host "
+                f"they can reach. (Trainer side: {type(e).__name__}: {str(e)[:300]})"
             ) from e
-        errors = _collect(urls, futures, self.transfer_timeout_s)
         if errors:
             raise WeightSyncError("init failed: " + "; ".join(f"{u}: {m}" for u, m in errors.items()))
-        self.groups.update(joined)
 
     def out_of_step(self) -> list[str]:
         """Servers that answer but may not hold the trainer's weights: restarted (a new server reports
@@ -603,8 +611,9 @@ class WeightSyncer:
         t_send = time.perf_counter()
         num_bytes, send_errors = self._send(params, dtypes, receiving)
         send_s = time.perf_counter() - t_send
-        drop(send_errors, "update_weights (broadcast)")
+        # The server's own error first: a broadcast fails only because its receiver gave up, which says why.
         drop(_collect(receiving, futures, self.transfer_timeout_s), "update_weights")
+        drop(send_errors, "update_weights (broadcast)")
         self.phase_seconds["update_weights"] = time.perf_counter() - t_send
         phase("/finish_weight_update", {"weight_version": str(version)})  # tagged only once it finished
         phase("/wake_up?tags=scheduling", name="resume", call=_resume)  # ends the level-0 sleep: /resume

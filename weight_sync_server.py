@@ -44,6 +44,13 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     dtype_names: list[str] = field(default_factory=list)
     shapes: list[list[int]] = field(default_factory=list)
 
+    def __post_init__(self) -> None:  # as vLLM's NCCL update info: a short list would load a subset silently
+        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
+            raise ValueError(
+                f"update_info: {len(self.names)} names, {len(self.dtype_names)} dtype_names and "
+                f"{len(self.shapes)} shapes: one of each per tensor"
+            )
+
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
     """Receives the trainer's (rank 0's) broadcast pieces and loads them with `load_weights`, inside
@@ -106,24 +113,35 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         # The base class ends with torch.accelerator.synchronize(); nothing is asynchronous here.
         t0 = time.perf_counter()
         self.seconds["wait"] = 0.0
-        self.receive_weights(self.parse_update_info(update_info))
+        try:
+            info = self.parse_update_info(update_info)
+        except BaseException:
+            self._put_back()  # start_weight_update left every layer on meta tensors
+            raise
+        self.receive_weights(info)
         self.seconds["update"] = time.perf_counter() - t0
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
-        if self.group is None:
-            raise RuntimeError("gloo weight transfer not initialized: call /init_weight_transfer_engine")
         try:
+            if self.group is None:
+                raise RuntimeError("gloo weight transfer not initialized: call /init_weight_transfer_engine")
             self.model.load_weights(self._received(update_info))
         except BaseException:
-            self.buffers = []  # a broadcast still posted into one may yet write it
-            # The trainer died mid-transfer (or timed out). Put every layer back on real tensors
-            # (layers never reached keep their old weights) so the server can still serve once
-            # resumed; the trainer has dropped this server, so the mixed weights never feed training.
-            try:
-                self.finish_weight_update()
-            except Exception:  # noqa: BLE001 - the transfer error is the one to report
-                pass
+            self._put_back()
             raise
+
+    def _put_back(self) -> None:
+        """A failed update (the trainer died or timed out, or a payload this model cannot load). Put every
+        layer back on real tensors (layers never reached keep their old weights) so the server can still
+        serve once resumed; the trainer has dropped this server, so the mixed weights never feed training."""
+        self.buffers = []  # a broadcast still posted into one may yet write them
+        # Leave the group: the trainer's broadcasts to us then fail at once ("connection closed") instead of
+        # waiting out the transfer timeout for receives we will never post; it re-joins us to sync again.
+        self.group = self.store = None
+        try:
+            self.finish_weight_update()
+        except Exception:  # noqa: BLE001 - the transfer error is the one to report
+            pass
 
     def _received(self, update_info: GlooUpdateInfo) -> Iterator[tuple[str, torch.Tensor]]:
         """Each tensor once its broadcast has landed. The broadcasts of the pieces after it (up to

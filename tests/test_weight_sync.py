@@ -1064,3 +1064,72 @@ def test_the_requests_in_flight_during_an_eval_are_not_the_next_steps(monkeypatc
     group.staleness, group.metrics = 0, group_metrics(group.completions)
     metrics = T.step_metrics(run, [group], ([group], 0, 0), 1, [{"ids": [1, 5]}], 0.0, 0.1)
     assert metrics["perf/requests_in_flight"] == pytest.approx(4.0, rel=0.1)
+
+
+def test_gloo_join_keeps_the_servers_that_joined_and_leaks_no_store():
+    """One server answers /get_world_size but cannot join (its init fails): the others keep their group
+    (they were dropped with it), and a heal retrying it at every call keeps one store per joined group
+    (each attempt leaked the stores, sockets and threads of the groups formed before the failure)."""
+    servers = [FakeServer(), FakeServer(fail=("/init_weight_transfer_engine",))]
+    syncer, comms = fake_syncer("gloo", servers)
+
+    def join(port, world_size):  # as gloo_group: completes only if a server dialed `port`
+        deadline = time.monotonic() + 2
+        while not any(s.init_ports and s.init_ports[-1] == port for s in servers):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nobody joined on port {port}")
+            time.sleep(0.01)
+        comms.append(object())
+        syncer.stores[comms[-1]] = object()  # the real _join keeps the group's TCPStore here
+        return comms[-1]
+
+    syncer._join = join
+    for _ in range(3):
+        with pytest.raises(WeightSyncError, match=servers[1].url):
+            syncer.join(syncer.urls)
+    assert list(syncer.groups) == [servers[0].url]
+    assert len(syncer.stores) == 1
+
+
+def test_a_failed_update_leaves_the_server_serving_its_old_weights(server_a):
+    """/update_weights failing before the receive (no group on the server: restarted or shut down; an
+    update_info it cannot parse; lists of unequal length, which loaded a subset silently under the new
+    tag) puts the layers back as a failed transfer does: they were left on meta tensors, and the engine
+    died once woken."""
+    model = load_trainer_model("tiny")
+    perturb(model, seed=21)
+    syncer = WeightSyncer([server_a.url], http_timeout_s=20, transfer_timeout_s=20)
+    syncer.init()
+    syncer.sync(model.named_parameters(), version=21)
+    weight_sync.post(server_a.url, "/shutdown_weight_transfer_engine", None, 20)
+    with pytest.raises(WeightSyncError, match=server_a.url):
+        syncer.sync(model.named_parameters(), version=22)
+    for bad in ({"names": [], "bogus": 1}, {"names": ["x"], "dtype_names": [], "shapes": []}):
+        for path in ("/sleep?level=0&mode=keep", "/start_weight_update"):
+            weight_sync.post(server_a.url, path, None, 20)
+        with pytest.raises(weight_sync.HTTPStatusError, match="update_info"):
+            weight_sync.post(server_a.url, "/update_weights", {"update_info": bad}, 20)
+    weight_sync.post(server_a.url, "/wake_up?tags=scheduling", None, 20)
+    assert max_diff(model, server_a.url) < TOL and weight_version(server_a.url) == "21"  # serves, old weights
+    syncer.join([server_a.url])
+    syncer.sync(model.named_parameters(), version=22)
+    syncer.close()
+
+
+def test_a_payload_the_server_rejects_fails_at_once_with_its_own_error(server_a):
+    """A tensor the model has no parameter for, in a model larger than bucket_bytes: the sync fails in
+    seconds naming the server's error (the server leaves its group), not after transfer_timeout_s with a
+    broadcast timeout, at every heal while the cause lasts."""
+    model = load_trainer_model("tiny")
+    syncer = WeightSyncer([server_a.url], http_timeout_s=20, transfer_timeout_s=60, bucket_bytes=128 * 1024)
+    syncer.init()
+    params = list(model.named_parameters())
+    params.insert(3, ("model.layers.0.bogus.weight", torch.zeros(8)))
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match="no module or parameter named 'layers.0.bogus'"):
+        syncer.sync(params, version=31)
+    assert time.monotonic() - t0 < 15
+    syncer.join([server_a.url])
+    syncer.sync(model.named_parameters(), version=31)
+    assert max_diff(model, server_a.url) < TOL
+    syncer.close()
