@@ -45,7 +45,8 @@ Every mode: wall clock (`timeout_s`, then SIGKILL to every process of the run: t
 first process, its group and, where it drew one, its uid), RLIMIT_AS/CPU/FSIZE/NOFILE/CORE per
 process, and one memory and one pids cgroup (v2, or v1) for all runs together where one can be made
 (envs/confine.py): the pids limit bounds a fork bomb where RLIMIT_NPROC does not (uid 0); a run the
-kernel OOM-kills says so in its `error`. A run cancelled mid-way is killed the same way. Disk: 64 MiB
+kernel OOM-kills says so in its `error`. A run cancelled mid-way is killed the same way; a cold run whose
+event loop closes under it, by a thread of its own past its timeout (`_watch_clock`). Disk: 64 MiB
 (confine.MAX_DIR_BYTES) per tmpfs in the namespace modes (ENOSPC past it); elsewhere `_watch_disk`
 kills the run past it, with one poll interval's writing beyond (docs/sandbox.md). CPUs: with
 --rollout-cpus the runs pin themselves to those, and a cpuset cgroup, where one can be made, keeps
@@ -453,6 +454,39 @@ async def _spawn(argv: list[str], theirs: socket.socket | None, **kwargs) -> asy
             theirs.close()
 
 
+def _end_run_off_loop(proc: asyncio.subprocess.Process, uid: int | None, reaper: bool) -> None:
+    """`_end_run` where no event loop is left to wait on: kill every process of the run, the first
+    last where it is a reaper. Reaped by asyncio's child watcher thread (or, the reaper gone, init)."""
+    if not reaper:
+        _signal_kill(proc)
+    deadline = time.monotonic() + 5
+    while set(confine.kill_run(proc.pid, uid).values()) - {"Z"} and time.monotonic() < deadline:
+        time.sleep(0.005)
+    _signal_kill(proc)
+
+
+CLOCK_GRACE_S = 5.0  # how long past its timeout a cold run's loop has to end it before `_watch_clock` does
+
+
+def _watch_clock(proc, uid: int | None, reaper: bool, base: str, timeout_s: float, stopped, fired) -> None:
+    """A cold run's wall clock, kept off the event loop too, in a thread of its own until `stopped`: a
+    loop closed (or never run again) with the call pending would never end the run, whose code then
+    ran until our process exited. Past `timeout_s` + CLOCK_GRACE_S the run is killed and its dir
+    removed here."""
+    if stopped.wait(timeout_s + CLOCK_GRACE_S) or proc.returncode is not None:
+        return
+    fired.set()
+    _end_run_off_loop(proc, uid, reaper)
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def _running_on(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
 def _signal_kill(proc: asyncio.subprocess.Process) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # start_new_session: the group id is the pid
@@ -483,6 +517,8 @@ async def run_python(
     ours, theirs = socket.socketpair() if _maps_ids(mode) or reaper else (None, None)
     limits = (timeout_s, _nproc(mode), confine.cgroup_procs(budget), _unbounded(mode, budget))
     full, stopped = asyncio.Event(), threading.Event()  # the disk watcher's: over the cap; stop watching
+    clock_fired, closed = threading.Event(), False  # `_watch_clock` ended the run; see GeneratorExit below
+    loop = asyncio.get_running_loop()
     spawn = asyncio.ensure_future(
         _spawn(
             _command(mode, base, uid, reaper=reaper),
@@ -497,6 +533,8 @@ async def run_python(
         # hands the code's processes to init, out of reach, past every deadline. It starts; the run
         # is then ended below as any cancelled run is.
         proc = await asyncio.shield(spawn)
+        args = (proc, owner, reaper, base, timeout_s, stopped, clock_fired)
+        threading.Thread(target=_watch_clock, args=args, daemon=True, name="sandbox-clock").start()
         if _maps_ids(mode):
             await asyncio.to_thread(_map_ids, proc.pid, ours)
         if mode in ("seccomp", "none"):  # the run dir lies on the machine's disk, not in a tmpfs
@@ -529,18 +567,27 @@ async def run_python(
             error = "output pipe still open after kill"
     except (OSError, subprocess.SubprocessError) as e:
         error = f"sandbox failed to start: {e}"
+    except GeneratorExit:
+        closed = True
+        raise
     finally:
         stopped.set()
-        if proc is None and not spawn.cancelled():  # cancelled while it started
+        # Closed, not cancelled (its loop gone, by the garbage collector): nothing can be awaited.
+        closed = closed or not _running_on(loop)
+        if closed:
+            if proc is not None and proc.returncode is None:
+                _end_run_off_loop(proc, owner, reaper)
+        elif proc is None and not spawn.cancelled():  # cancelled while it started
             with contextlib.suppress(OSError, subprocess.SubprocessError):
                 proc = await spawn
-        if proc is not None and proc.returncode is None:  # cancelled: the run ends here all the same
+        if not closed and proc is not None and proc.returncode is None:  # cancelled: ended all the same
             # With the reaper too: killed first, it would hand the run's processes to init, out of reach.
             await _end_run(proc, owner, ours if reaper else None)
         if ours:
             ours.close()
         shutil.rmtree(base, ignore_errors=True)
     exit_code = None if proc is None else proc.returncode if status is None or not reaper else status
+    timed_out = timed_out or clock_fired.is_set()  # a loop that ran late: the clock killed the run
     oom = confine.oom_kills(cgroup) > ooms_before
     return _result(
         start, (head, tail, total), exit_code, timed_out, error, timeout_s, oom, memory_budget_bytes
@@ -703,12 +750,10 @@ def _join(cgroup_procs: list[str]) -> None:
             f.write(str(os.getpid()))
 
 
-async def _pipe_reader(fd: int) -> tuple[asyncio.StreamReader, asyncio.BaseTransport]:
+async def _pipe_reader(pipe) -> tuple[asyncio.StreamReader, asyncio.BaseTransport]:
     reader = asyncio.StreamReader()
     loop = asyncio.get_running_loop()
-    transport, _ = await loop.connect_read_pipe(
-        lambda: asyncio.StreamReaderProtocol(reader), open(fd, "rb", 0)
-    )
+    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
     return reader, transport
 
 
@@ -738,10 +783,16 @@ async def _run_warm(
     finally:
         os.close(out_w)
         os.close(status_w)
-    out, out_transport = await _pipe_reader(out_r)
-    status, status_transport = await _pipe_reader(status_r)
+    # Closed below however the call ends: a cancel while the output pipe connected left the status
+    # pipe open, so the call's process never saw the caller go and ran on until its own timeout.
+    pipes = [open(out_r, "rb", 0), open(status_r, "rb", 0)]
+    transports = []
     head, tail, total, error = b"", b"", 0, ""
     try:
+        out, out_transport = await _pipe_reader(pipes[0])
+        transports.append(out_transport)
+        status, status_transport = await _pipe_reader(pipes[1])
+        transports.append(status_transport)
         drain = asyncio.ensure_future(_drain(out, max_output_bytes))
         try:
             reply = json.loads(await asyncio.wait_for(status.read(), timeout_s + 10) or "{}")
@@ -752,8 +803,10 @@ async def _run_warm(
         except TimeoutError:
             error = "output pipe still open after kill"
     finally:
-        out_transport.close()
-        status_transport.close()
+        for transport in transports:
+            transport.close()
+        for pipe in pipes:  # what a cancel left unconnected; closing one twice does nothing
+            pipe.close()
     if "status" not in reply:
         error = f"sandbox fork server failed the call: {reply.get('error', 'no reply')}"
     oom = confine.oom_kills(cgroup) > ooms_before

@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import gc
 import os
 import shutil
 import socket
@@ -341,9 +342,87 @@ def test_concurrency_cap_across_event_loops():
     assert peak == 2, f"peak concurrency {peak}"
 
 
-def test_nothing_left_behind(temp_dirs_before):
-    import gc
+def _named(name: str) -> list[int]:
+    """Live processes (not zombies) named `name` (PR_SET_NAME), seen from outside every namespace."""
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+            if open(f"/proc/{pid}/comm").read().strip() == name and state != "Z":
+                found.append(int(pid))
+        except OSError:
+            pass
+    return found
 
+
+def _sleeper(name: str) -> str:
+    """Code that names itself and sleeps an hour, printing nothing (a closed output pipe cannot end it)."""
+    return f"import ctypes, time\nctypes.CDLL(None).prctl(15, b'{name}', 0, 0, 0)\ntime.sleep(3600)"
+
+
+def test_a_cold_call_whose_loop_closes_under_it_ends_at_its_timeout(temp_dirs_before):
+    """An event loop closed while a cold call runs on it (never cancelled: a loop run until something
+    else completes, then closed) no longer runs the call's timeout: the run's wall clock is also kept
+    off the loop, and the code is killed and its dir removed soon after `timeout_s` all the same (it
+    used to run until our process exited, an hour here)."""
+    name, timeout_s = "sbx-loop-gone", 1.0
+    loop = asyncio.new_event_loop()
+    try:
+        call = loop.create_task(run_python(_sleeper(name), timeout_s=timeout_s))
+
+        async def until_it_runs():
+            deadline = time.monotonic() + 60
+            while not _named(name) and not call.done() and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+
+        loop.run_until_complete(until_it_runs())
+        assert _named(name), f"the code never ran: {call.result() if call.done() else 'pending'}"
+        loop.close()  # the call still pending: nothing on the loop will run again
+        deadline = time.monotonic() + timeout_s + 15
+        while _named(name) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = _named(name)
+        assert not left, "the code of a call whose loop closed outlived its timeout"
+        assert temp_dirs() - temp_dirs_before == set(), "its run dir was left behind"
+    finally:
+        for pid in _named(name):
+            os.kill(pid, 9)
+        if not loop.is_closed():
+            loop.close()
+        # The pending call goes here, not in whatever the collector next interrupts (asyncio's
+        # transports say "Event loop is closed" as they go; in an AST compile: a SystemError).
+        call = None
+        gc.collect()
+
+
+@needs_ns
+def test_a_warm_call_cancelled_as_it_starts_is_killed():
+    """A warm call cancelled as soon as it has sent its request (a rollout's sibling failing, a loop
+    shutting down): its fork-server child is killed at once. Cancelled while it connected its output
+    pipe, the call used to leave its status pipe open, so the child never saw it go and ran on until
+    its own `timeout_s` (an hour here)."""
+    name = "sbx-warm-cancel"
+    sandbox = Sandbox(1)
+
+    async def cancelled_at_once() -> None:
+        assert (await sandbox.run("print(1)", timeout_s=30)).output == "1\n"  # the server is up
+        call = asyncio.ensure_future(sandbox.run(_sleeper(name), timeout_s=3600))
+        await asyncio.sleep(0)  # the request is sent; the call waits on its output pipe's connection
+        call.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+
+    try:
+        asyncio.run(cancelled_at_once())
+        time.sleep(3)  # time for the child to start and name itself, were it left to run
+        assert not _named(name), "a warm call cancelled as it started left its child running"
+    finally:
+        for pid in _named(name):
+            os.kill(pid, 9)
+        sandbox.close()
+
+
+def test_nothing_left_behind(temp_dirs_before):
     gc.collect()  # a Sandbox dropped stops its fork server, whose thread then removes its dir
     time.sleep(1)
     assert sandbox_processes() == []
