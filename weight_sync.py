@@ -379,7 +379,10 @@ class WeightSyncer:
         it); a gloo group goes with its store (sockets, a thread)."""
         old = [g for u in urls if (g := self.groups.pop(u, None)) is not None]
         in_use = {id(g) for g in self.groups.values()}
-        for g in {id(g): g for g in old if id(g) not in in_use}.values():
+        self._release_groups({id(g): g for g in old if id(g) not in in_use}.values())
+
+    def _release_groups(self, groups) -> None:
+        for g in groups:
             self.stores.pop(g, None)
             if hasattr(g, "destroy"):  # vLLM's PyNcclCommunicator
                 g.destroy()
@@ -414,8 +417,11 @@ class WeightSyncer:
             except Exception as e:  # noqa: BLE001 - named below, after the others joined
                 failed.update({u: (port, e) for u in members})
         errors = _collect(urls, futures, 5 if failed else self.transfer_timeout_s)
+        if errors and self.backend == "nccl":  # one communicator spans them all: none of them keeps it
+            self._release_groups(set(joined.values()))
+            joined = {}
         for u in [u for u in joined if u in errors]:
-            self.stores.pop(joined.pop(u), None)
+            self._release_groups({joined.pop(u)})
         self.groups.update(joined)
         if failed:
             e = next(iter(failed.values()))[1]

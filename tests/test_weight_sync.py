@@ -1133,3 +1133,13 @@ def test_a_payload_the_server_rejects_fails_at_once_with_its_own_error(server_a)
     syncer.sync(model.named_parameters(), version=31)
     assert max_diff(model, server_a.url) < TOL
     syncer.close()
+
+
+def test_nccl_join_that_one_server_refuses_keeps_no_communicator():
+    """nccl: one communicator spans every server, so when one of them reports an init error none keeps
+    it (a sync over it would wait on the failed one) and it is destroyed."""
+    servers = [FakeServer(), FakeServer(fail=("/init_weight_transfer_engine",))]
+    syncer, comms = fake_syncer("nccl", servers)
+    with pytest.raises(WeightSyncError, match="init failed: " + servers[1].url):
+        syncer.join(syncer.urls)
+    assert syncer.groups == {} and [c.destroyed for c in comms] == [1]
