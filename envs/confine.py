@@ -75,6 +75,16 @@ _DENIED = (
     "socket", "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_open", "pidfd_getfd",
     "pidfd_send_signal", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo",
     "io_uring_setup", "bpf", "perf_event_open",
+    # System V IPC and POSIX message queues: kernel objects that outlive the run (no IPC namespace
+    # here), in no run dir, and shared by key with the next run.
+    "shmget", "msgget", "semget", "mq_open",
+)  # fmt: skip
+
+
+# Syscalls whose first argument names another process (0: the caller): refused for any other.
+_OTHER_PROCESS_BY_PID = (
+    "prlimit64", "sched_setaffinity", "sched_setscheduler", "sched_setparam", "sched_setattr",
+    "migrate_pages", "move_pages",
 )  # fmt: skip
 
 
@@ -160,6 +170,14 @@ def seccomp_filter(no_fork: bool = False):
         for name in _DENIED + ("fork", "vfork") * no_fork:
             f.add_rule(sc.ERRNO(errno.EPERM), name)
         f.add_rule(sc.ERRNO(errno.EPERM), "kill", sc.Arg(0, sc.NE, 0))
+        # Another process's limits, priority, scheduling and memory placement (pid 0 is the caller):
+        # where the code's uid is ours (a plain user; root without capabilities) prlimit64 set the
+        # trainer's RLIMIT_CPU to 1 s (the kernel SIGKILLed it) and setpriority(PRIO_USER) reniced it.
+        for name in _OTHER_PROCESS_BY_PID:
+            f.add_rule(sc.ERRNO(errno.EPERM), name, sc.Arg(0, sc.NE, 0))
+        for name, self_only in (("setpriority", 0), ("ioprio_set", 1)):  # PRIO_PROCESS, IOPRIO_WHO_PROCESS
+            f.add_rule(sc.ERRNO(errno.EPERM), name, sc.Arg(0, sc.NE, self_only))
+            f.add_rule(sc.ERRNO(errno.EPERM), name, sc.Arg(1, sc.NE, 0))
         owner = {"fcntl": (_F_SETOWN, _F_SETSIG, _F_SETOWN_EX), "ioctl": (_FIOSETOWN, _SIOCSPGRP)}
         for name, values in owner.items():
             for v in values:

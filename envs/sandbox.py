@@ -181,7 +181,11 @@ def _command(mode: str, base: str, uid: int, server_fd: int | None = None, reape
     if reaper:
         pdeathsig = [shutil.which("setpriv"), "--pdeathsig=KILL", "--"]
         python = ["/bin/sh", "-c", _REAPER, sys.executable, shutil.which("setsid"), "-w", *pdeathsig, *python]
-    ns = ["unshare", "--net", "--pid", "--fork", "--kill-child", "--mount", "--propagation", "private"]
+    # --ipc: SysV shared memory, message queues and POSIX mqueues outlive their process (a 256 MiB
+    # segment stayed in the memory cgroup after its run; a queue was the next run's); their namespace
+    # dies with the run.
+    ns = ["unshare", "--net", "--pid", "--ipc", "--fork", "--kill-child", "--mount", "--propagation",
+          "private"]  # fmt: skip
     owner = str(uid if _draws_uid(mode) else 0)  # user-ns as a plain user: the namespace's root, us
     shell = ["/bin/sh", "-c", _ns_prologue(server_fd is None), "sh", base, owner]
     user = []

@@ -545,6 +545,7 @@ TEST_USER = "sandbox-test"
 # The checkout's own sources, by a path suffix no installed library shares.
 CHECKOUT_SOURCES = ("/train_async_grpo.py", "/envs/sandbox.py", "/envs/retool.py", "/envs/confine.py")
 BOMB = "import os\nwhile True: os.fork()"
+SHM_KEY = 0x5EEDBEEF  # the ipc attack's segment
 # A bomb fills its limit (hundreds of processes) in well under a second; longer runs of it only spin
 # (2 x 20 of them in the attack tests: 3 s each cost ~80 s of the suite).
 BOMB_TIMEOUT_S = 1.0
@@ -669,6 +670,33 @@ ATTACKS = {
         "        f.flush(); n += 16; print('MiB', n, flush=True)\n"
         "except OSError as e: print('stopped', e.strerror)\ntime.sleep(1)\nprint('disk done')"
     ),
+    # Another process's limits, CPUs and priority (TARGETS), each set to what it already is (harmless
+    # if the sandbox regresses): where the code's uid is ours, RLIMIT_CPU of 1 s killed the trainer.
+    "limits": (
+        "import os, resource\nCORE, WHO = resource.RLIMIT_CORE, os.PRIO_PROCESS\n"
+        "for pid in TARGETS:\n"
+        "    try: resource.prlimit(pid, CORE, resource.prlimit(pid, CORE)); print('LIMITED', pid)\n"
+        "    except OSError: pass\n"
+        "    try: os.sched_setaffinity(pid, os.sched_getaffinity(pid)); print('PINNED', pid)\n"
+        "    except OSError: pass\n"
+        "    try: os.setpriority(WHO, pid, os.getpriority(WHO, pid)); print('RENICED', pid)\n"
+        "    except OSError: pass\n"
+        "print('limits tried')"
+    ),
+    # A System V segment by a fixed key: it outlives its run (memory charged to the sandbox's cgroup, or
+    # the machine's) unless the run's IPC namespace dies with it; the next run (the cold path runs after
+    # the warm one) finds it.
+    "ipc": (
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        f"shmid = libc.shmget({SHM_KEY}, 1 << 20, 0o1000 | 0o2000 | 0o600)  # IPC_CREAT | IPC_EXCL\n"
+        "if shmid >= 0: print('SHM CREATED')\n"
+        "elif ctypes.get_errno() == 17: print('SHM EXISTS')  # EEXIST: an earlier run's\n"
+        "else: print('refused', ctypes.get_errno())"
+    ),
+    # SIGKILL to the code's own process group: on the warm path it held the fork-server child that keeps
+    # the call's deadline (the code, its pid namespace's init, ignores the signal), and the code ran on
+    # past its call.
+    "group-kill": "import os, signal, time\nos.kill(0, signal.SIGKILL)\ntime.sleep(1)\nprint('survived')",
     # Not an attack: what the disk cap must leave alone (a few files and a dir, 20 MiB in all).
     "small-writes": (
         "import os\nos.mkdir('d')\nfor i in range(20): open(f'd/{i}', 'wb').write(os.urandom(1 << 20))\n"
@@ -888,6 +916,7 @@ def attack_suite(port: int) -> dict:
     finally:  # a failed test leaves nothing behind either (the sleeper holds the test's output pipe)
         for line in detached_processes():
             os.kill(int(line.split()[0]), 9)
+        subprocess.run(["ipcrm", "-M", hex(SHM_KEY)], capture_output=True, check=False)
         sleeper.kill()
         sleeper.wait()
     bombs = {path: bomb_then_print(sandbox, list(paths.values())) for path, sandbox in paths.items()}
@@ -931,6 +960,11 @@ def check_attacks(report: dict, listener: socket.socket) -> None:
         assert "signalled" in out["signal"], out["signal"]
         assert "detached" in out["daemon"] or "no fork" in out["daemon"], out["daemon"]
         assert out["small-writes"] == "small 20\n", out["small-writes"]
+        assert "limits tried" in out["limits"], out["limits"]
+        assert not any(w in out["limits"] for w in ("LIMITED", "PINNED", "RENICED")), out["limits"]
+        assert "SHM EXISTS" not in out["ipc"], out["ipc"]
+        if path == "warm":  # the call kept its deadline (cold: the kill may end the code's own run)
+            assert "failed the call" not in out["group-kill"], out["group-kill"]
         for disk in ("disk", "disk-unlinked"):
             written = [int(line.split()[1]) for line in out[disk].splitlines() if line.startswith("MiB ")]
             if report["mode"] in ("root-ns", "user-ns"):  # the tmpfs at /sandbox is full
