@@ -94,27 +94,35 @@ def run_code(req: dict, out_fd: int) -> None:
         numpy.random.seed()  # `random` reseeds itself after fork; numpy's legacy global state does not
         sys.argv = ["main.py"]
         main = types.ModuleType("__main__")
-        main.__file__ = "main.py"
+        main.__file__ = "/sandbox/main.py"  # as `python main.py` has it (and its tracebacks say)
         sys.modules["__main__"] = main
         source = open("main.py", encoding="utf-8", errors="replace").read()
         code = 0
-        exec(compile(source, "main.py", "exec"), main.__dict__)
+        exec(compile(source, main.__file__, "exec"), main.__dict__)
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             code = e.code or 0
-        else:
+        else:  # sys.exit("message"): the message, after what the code printed, and status 1
+            _flush(sys.stdout)
             print(e.code, file=sys.stderr)
+            code = 1
     except BaseException as e:
         code = 1
         tb = e.__traceback__.tb_next if e.__traceback__ else None  # not this function's frame
+        # stdout is block-buffered into the pipe stderr shares: the traceback came before the prints
+        _flush(sys.stdout)
         traceback.print_exception(type(e), e, tb)
     finally:
         for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except BaseException:
-                pass
+            _flush(stream)
         os._exit(code & 0xFF)
+
+
+def _flush(stream) -> None:
+    try:
+        stream.flush()
+    except BaseException:  # the code closed or replaced it
+        pass
 
 
 def mkdirs(path: str) -> None:

@@ -1407,3 +1407,27 @@ if __name__ == "__main__" and sys.argv[1] == "attacks":
         deny_user_namespaces()
     isolation_mode.cache_clear()  # probed at this module's import, before the filter
     print(json.dumps(attack_suite(int(sys.argv[2]))))
+
+
+@needs_ns
+@pytest.mark.parametrize(
+    "code", ["print('first')\nraise ValueError('then')", "print('first')\nimport sys\nsys.exit('a message')"]
+)
+def test_warm_and_cold_paths_report_the_same_output_and_exit_code(code):
+    """What the model reads back of a failing program: the warm path printed the traceback before the
+    code's own prints (stdout, block-buffered, was flushed after it), named the file `main.py` where
+    Python says `/sandbox/main.py`, and gave sys.exit("message") status 0."""
+    warm, cold = Sandbox(1), Sandbox(1, warm=False)
+
+    async def both():
+        return [await sandbox.run(code, timeout_s=30) for sandbox in (warm, cold)]
+
+    try:
+        w, c = asyncio.run(both())
+    finally:
+        warm.close()
+        cold.close()
+    assert w.output.startswith("first\n") and (w.output, w.exit_code) == (c.output, c.exit_code) == (
+        c.output,
+        1,
+    )
