@@ -602,6 +602,22 @@ def user_process_count() -> int:
     return sum(owner == os.getuid() for _, _, _, owner in _process_table().values())
 
 
+def remove_tree(path: str) -> None:
+    """shutil.rmtree, after giving us back every dir below `path`: code running as our uid (a plain
+    user in mode seccomp) may have made one unreadable or read-only (chmod 0), which rmtree then
+    skipped, leaving its files on the disk for good. Only once the run's processes are gone."""
+    todo = [path]
+    while todo:
+        d = todo.pop()
+        try:
+            os.chmod(d, 0o700)
+            with os.scandir(d) as entries:
+                todo += [e.path for e in entries if e.is_dir(follow_symlinks=False)]
+        except OSError:
+            pass
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @functools.cache
 def remove_run_dirs_of_dead_processes() -> None:
     """Each run removes its own dir, but a SIGKILLed trainer leaves those of its live runs (the runs
@@ -614,6 +630,6 @@ def remove_run_dirs_of_dead_processes() -> None:
         try:
             os.kill(int(owner), 0)
         except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
+            remove_tree(path)
         except PermissionError:  # alive, someone else's
             pass

@@ -481,7 +481,7 @@ def _watch_clock(proc, uid: int | None, reaper: bool, base: str, timeout_s: floa
         return
     fired.set()
     _end_run_off_loop(proc, uid, reaper)
-    shutil.rmtree(base, ignore_errors=True)
+    confine.remove_tree(base)
 
 
 def _running_on(loop: asyncio.AbstractEventLoop) -> bool:
@@ -589,7 +589,7 @@ async def run_python(
             await _end_run(proc, owner, ours if reaper else None)
         if ours:
             ours.close()
-        shutil.rmtree(base, ignore_errors=True)
+        confine.remove_tree(base)
     exit_code = None if proc is None else proc.returncode if status is None or not reaper else status
     timed_out = timed_out or clock_fired.is_set()  # a loop that ran late: the clock killed the run
     oom = confine.oom_kills(cgroup) > ooms_before

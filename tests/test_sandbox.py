@@ -697,6 +697,12 @@ ATTACKS = {
     # the call's deadline (the code, its pid namespace's init, ignores the signal), and the code ran on
     # past its call.
     "group-kill": "import os, signal, time\nos.kill(0, signal.SIGKILL)\ntime.sleep(1)\nprint('survived')",
+    # A file in a dir the code then makes unreadable: where the code's uid is ours (a plain user, mode
+    # seccomp) our removal of its run dir skipped it, and its files stayed on the disk for good.
+    "locked-dir": (
+        "import os\nos.mkdir('locked')\nopen('locked/f', 'wb').write(b'x' * (1 << 20))\n"
+        "os.chmod('locked', 0)\nprint('locked')"
+    ),
     # Not an attack: what the disk cap must leave alone (a few files and a dir, 20 MiB in all).
     "small-writes": (
         "import os\nos.mkdir('d')\nfor i in range(20): open(f'd/{i}', 'wb').write(os.urandom(1 << 20))\n"
@@ -919,6 +925,7 @@ def attack_suite(port: int) -> dict:
         subprocess.run(["ipcrm", "-M", hex(SHM_KEY)], capture_output=True, check=False)
         sleeper.kill()
         sleeper.wait()
+    run_dirs_left = sorted(temp_dirs())  # every run has ended
     bombs = {path: bomb_then_print(sandbox, list(paths.values())) for path, sandbox in paths.items()}
     cpus = widened_cpus()
     return {
@@ -933,6 +940,7 @@ def attack_suite(port: int) -> dict:
         "outputs": outputs,
         "bombs": bombs,
         "pids_cgroup": pids_cgroup(MEMORY_BUDGET_BYTES),
+        "run_dirs_left": run_dirs_left,
         "cpus": cpus,
     }
 
@@ -941,6 +949,7 @@ def check_attacks(report: dict, listener: socket.socket) -> None:
     assert report["sleeper_alive"], "the sandbox killed a process of ours"
     assert report["signals"] == [], f"signals reached us: {report['signals']}"
     assert report["detached"] == [], f"processes outlived their run: {report['detached']}"
+    assert report["run_dirs_left"] == [], "run dirs outlived their run"
     assert report["cancels_left"] == {"warm": [], "cold": [], "starting": []}, (
         f"outlived a cancelled call: {report['cancels_left']}"
     )
