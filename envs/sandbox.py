@@ -259,14 +259,23 @@ def _map_ids(pid: int, sock: socket.socket) -> None:
 
 
 def _preexec(
-    mode: str, run_dir: str, timeout_s: float, nproc: int, cgroup_procs: list[str], no_fork: bool = False
+    mode: str,
+    run_dir: str,
+    timeout_s: float,
+    nproc: int,
+    cgroup_procs: list[str],
+    no_fork: bool = False,
+    started: int | None = None,
 ) -> None:
     """Between fork and exec: join the sandbox cgroups (memory budget, process limit), set the rlimits
     (inherited by the whole process tree), and SIGKILL the run's first process when the thread that
     started it dies (a kill -9 of the trainer included): in the namespace modes that is `unshare
     --kill-child`, whose death takes the pid namespace with it; otherwise a run sleeping in a syscall
     (no CPU time) would outlive us.
-    In mode "seccomp", confine (seccomp + Landlock; `no_fork`: see `_unbounded`) last."""
+    In mode "seccomp", confine (seccomp + Landlock; `no_fork`: see `_unbounded`) last. `started`: a
+    pipe our pid is written to (`_started_pid`)."""
+    if started is not None:
+        os.write(started, os.getpid().to_bytes(8, "little"))
     confine.die_with_parent(os.getppid())
     if mode in ("seccomp", "none"):
         confine.become_subreaper()  # for `_REAPER`: set before exec, kept across it
@@ -458,6 +467,24 @@ async def _spawn(argv: list[str], theirs: socket.socket | None, **kwargs) -> asy
             theirs.close()
 
 
+def _started_pid(started: int) -> int | None:
+    """The pid `_preexec` wrote to the pipe `started` (non-blocking): None if no process was made."""
+    try:
+        data = os.read(started, 8)
+    except OSError:
+        return None
+    return int.from_bytes(data, "little") if len(data) == 8 else None
+
+
+async def _end_start(first: int, uid: int | None) -> None:
+    """Kill what is left of a run whose start was cancelled: asyncio killed its first process `first`
+    alone, which in the namespace modes can land before `unshare`'s child set its parent-death signal
+    (--kill-child), leaving the namespace's pid 1, in `first`'s group, to run the code."""
+    deadline = time.monotonic() + 5
+    while set(confine.kill_run(first, uid).values()) - {"Z"} and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+
+
 def _end_run_off_loop(proc: asyncio.subprocess.Process, uid: int | None, reaper: bool) -> None:
     """`_end_run` where no event loop is left to wait on: kill every process of the run, the first
     last where it is a reaper. Reaped by asyncio's child watcher thread (or, the reaper gone, init)."""
@@ -523,19 +550,22 @@ async def run_python(
     full, stopped = asyncio.Event(), threading.Event()  # the disk watcher's: over the cap; stop watching
     clock_fired, closed = threading.Event(), False  # `_watch_clock` ended the run; see GeneratorExit below
     loop = asyncio.get_running_loop()
+    # The first process's pid as soon as it exists: a cancelled start returns no process to end.
+    started_r, started_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
     spawn = asyncio.ensure_future(
         _spawn(
             _command(mode, base, uid, reaper=reaper),
             theirs,
             cwd=run_dir,
             env=_env(mode, base),
-            preexec_fn=functools.partial(_preexec, mode, run_dir, *limits),
+            preexec_fn=functools.partial(_preexec, mode, run_dir, *limits, started=started_w),
         )
     )
     try:
         # Shielded: asyncio kills a process whose start is cancelled (its first process alone), which
         # hands the code's processes to init, out of reach, past every deadline. It starts; the run
-        # is then ended below as any cancelled run is.
+        # is then ended below as any cancelled run is. asyncio.run's end cancels `spawn` itself too:
+        # then what is left is found from the first process's pid (`_end_start`).
         proc = await asyncio.shield(spawn)
         args = (proc, owner, reaper, base, timeout_s, stopped, clock_fired)
         threading.Thread(target=_watch_clock, args=args, daemon=True, name="sandbox-clock").start()
@@ -581,14 +611,18 @@ async def run_python(
         if closed:
             if proc is not None and proc.returncode is None:
                 _end_run_off_loop(proc, owner, reaper)
-        elif proc is None and not spawn.cancelled():  # cancelled while it started
-            with contextlib.suppress(OSError, subprocess.SubprocessError):
+        elif proc is None:  # cancelled while it started
+            with contextlib.suppress(OSError, subprocess.SubprocessError, asyncio.CancelledError):
                 proc = await spawn
+            if spawn.cancelled() and (first := _started_pid(started_r)) is not None:
+                await _end_start(first, owner)
         if not closed and proc is not None and proc.returncode is None:  # cancelled: ended all the same
             # With the reaper too: killed first, it would hand the run's processes to init, out of reach.
             await _end_run(proc, owner, ours if reaper else None)
         if ours:
             ours.close()
+        os.close(started_r)
+        os.close(started_w)
         confine.remove_tree(base)
     exit_code = None if proc is None else proc.returncode if status is None or not reaper else status
     timed_out = timed_out or clock_fired.is_set()  # a loop that ran late: the clock killed the run

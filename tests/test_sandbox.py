@@ -422,6 +422,61 @@ def test_a_warm_call_cancelled_as_it_starts_is_killed():
         sandbox.close()
 
 
+@needs_ns
+@pytest.mark.skipif(_maps_ids(isolation_mode()), reason="the code cannot run before its uid maps are written")
+def test_a_cold_call_whose_start_is_cancelled_is_killed(monkeypatch, temp_dirs_before):
+    """asyncio.run ending as a cold call starts its process cancels the start itself (the task under
+    the shield, not only the call): asyncio then kills the run's first process alone (`unshare`).
+    Landed between unshare's fork and its child's parent-death signal (`--kill-child`, ~1 in 24 such
+    ends seen), that left the namespace's pid 1 running the code past its timeout and our process.
+    Faked here: no --kill-child, the start held until the code runs, then cancelled once its pipes
+    are connected (where asyncio.run's end cancels it)."""
+    import subprocess
+
+    import envs.sandbox as sandbox_module
+
+    # Not "sbx-...": the attack suite, run by another process on this machine, kills those by name.
+    name, popen, command, cancelled = "sbx_start_kill", subprocess.Popen, sandbox_module._command, []
+    connection_made = asyncio.subprocess.SubprocessStreamProtocol.connection_made
+
+    class HeldPopen(popen):
+        def __init__(self, *args, **kwargs):
+            subprocess.Popen = popen  # this call's start alone
+            super().__init__(*args, **kwargs)
+            deadline = time.monotonic() + 60  # until the code runs, or the run ended without it
+            while not _named(name) and self.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+    def connected_then_cancelled(protocol, transport) -> None:
+        connection_made(protocol, transport)
+        # The start's last step: its result is set next, and every task is cancelled first, the one
+        # that awaits it included, as asyncio.run's end does.
+        for task in asyncio.all_tasks():
+            cancelled.append((task.get_coro().__qualname__, task.cancel()))
+
+    def unkillable_child(*args, **kwargs) -> list[str]:
+        return [arg for arg in command(*args, **kwargs) if arg != "--kill-child"]
+
+    async def cancelled_as_it_starts() -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            await run_python(_sleeper(name), timeout_s=1)
+
+    monkeypatch.setattr(sandbox_module, "_command", unkillable_child)
+    monkeypatch.setattr(subprocess, "Popen", HeldPopen)  # asyncio's transports start through it
+    monkeypatch.setattr(
+        asyncio.subprocess.SubprocessStreamProtocol, "connection_made", connected_then_cancelled
+    )
+    try:
+        asyncio.run(cancelled_as_it_starts())
+        assert ("_spawn", True) in cancelled, f"the start was not cancelled: {cancelled}"
+        time.sleep(2)  # past its timeout
+        assert not _named(name), "a cold call whose start was cancelled left its code running"
+        assert temp_dirs() - temp_dirs_before == set(), "its run dir was left behind"
+    finally:
+        for pid in _named(name):
+            os.kill(pid, 9)
+
+
 def test_nothing_left_behind(temp_dirs_before):
     gc.collect()  # a Sandbox dropped stops its fork server, whose thread then removes its dir
     time.sleep(1)
