@@ -157,6 +157,8 @@ def main() -> None:
     p.add_argument("--out", default=None, help="JSON results file to merge into")
     p.add_argument("--child-step", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.syncs < 1:  # the medians need one
+        p.error(f"--syncs must be ≥ 1, got {args.syncs}")
     if args.child_step:
         print(json.dumps(step_child(*json.loads(args.child_step))))
         return

