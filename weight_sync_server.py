@@ -114,34 +114,27 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         t0 = time.perf_counter()
         self.seconds["wait"] = 0.0
         try:
-            info = self.parse_update_info(update_info)
+            self.receive_weights(self.parse_update_info(update_info))
         except BaseException:
-            self._put_back()  # start_weight_update left every layer on meta tensors
+            # A failed update (the trainer died or timed out, a payload this model cannot load, no group):
+            # start_weight_update left every layer on meta tensors. Put every layer back on real tensors
+            # (layers never reached keep their old weights) so the server can still serve once resumed;
+            # the trainer has dropped this server, so the mixed weights never feed training.
+            self.buffers = []  # a broadcast still posted into one may yet write them
+            # Leave the group: the trainer's broadcasts to us then fail at once ("connection closed")
+            # instead of waiting out the transfer timeout for receives we will never post; it re-joins us.
+            self.group = self.store = None
+            try:
+                self.finish_weight_update()
+            except Exception:  # noqa: BLE001 - the transfer error is the one to report
+                pass
             raise
-        self.receive_weights(info)
         self.seconds["update"] = time.perf_counter() - t0
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
-        try:
-            if self.group is None:
-                raise RuntimeError("gloo weight transfer not initialized: call /init_weight_transfer_engine")
-            self.model.load_weights(self._received(update_info))
-        except BaseException:
-            self._put_back()
-            raise
-
-    def _put_back(self) -> None:
-        """A failed update (the trainer died or timed out, or a payload this model cannot load). Put every
-        layer back on real tensors (layers never reached keep their old weights) so the server can still
-        serve once resumed; the trainer has dropped this server, so the mixed weights never feed training."""
-        self.buffers = []  # a broadcast still posted into one may yet write them
-        # Leave the group: the trainer's broadcasts to us then fail at once ("connection closed") instead of
-        # waiting out the transfer timeout for receives we will never post; it re-joins us to sync again.
-        self.group = self.store = None
-        try:
-            self.finish_weight_update()
-        except Exception:  # noqa: BLE001 - the transfer error is the one to report
-            pass
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer not initialized: call /init_weight_transfer_engine")
+        self.model.load_weights(self._received(update_info))
 
     def _received(self, update_info: GlooUpdateInfo) -> Iterator[tuple[str, torch.Tensor]]:
         """Each tensor once its broadcast has landed. The broadcasts of the pieces after it (up to

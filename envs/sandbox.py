@@ -433,8 +433,7 @@ async def _end_run(proc: asyncio.subprocess.Process, uid: int | None, reaper: so
     if reaper is None:
         _signal_kill(proc)
     deadline = time.monotonic() + 5
-    while set((left := confine.kill_run(proc.pid, uid)).values()) - {"Z"} and time.monotonic() < deadline:
-        await asyncio.sleep(0.005)
+    left = await _kill_until_gone(proc.pid, uid, deadline)
     if reaper is not None:
         with contextlib.suppress(OSError):
             reaper.sendall(b"reap\n" if left else b"\n")  # the killed orphans are its children now
@@ -476,13 +475,12 @@ def _started_pid(started: int) -> int | None:
     return int.from_bytes(data, "little") if len(data) == 8 else None
 
 
-async def _end_start(first: int, uid: int | None) -> None:
-    """Kill what is left of a run whose start was cancelled: asyncio killed its first process `first`
-    alone, which in the namespace modes can land before `unshare`'s child set its parent-death signal
-    (--kill-child), leaving the namespace's pid 1, in `first`'s group, to run the code."""
-    deadline = time.monotonic() + 5
-    while set(confine.kill_run(first, uid).values()) - {"Z"} and time.monotonic() < deadline:
+async def _kill_until_gone(first: int, uid: int | None, deadline: float) -> dict[int, str]:
+    """confine.kill_run over the run of first process `first` until none is left alive (a fork bomb: a
+    few rounds) or `deadline`; what the last round found."""
+    while set((left := confine.kill_run(first, uid)).values()) - {"Z"} and time.monotonic() < deadline:
         await asyncio.sleep(0.005)
+    return left
 
 
 def _end_run_off_loop(proc: asyncio.subprocess.Process, uid: int | None, reaper: bool) -> None:
@@ -565,7 +563,7 @@ async def run_python(
         # Shielded: asyncio kills a process whose start is cancelled (its first process alone), which
         # hands the code's processes to init, out of reach, past every deadline. It starts; the run
         # is then ended below as any cancelled run is. asyncio.run's end cancels `spawn` itself too:
-        # then what is left is found from the first process's pid (`_end_start`).
+        # then what is left is found from the first process's pid (`_started_pid`).
         proc = await asyncio.shield(spawn)
         args = (proc, owner, reaper, base, timeout_s, stopped, clock_fired)
         threading.Thread(target=_watch_clock, args=args, daemon=True, name="sandbox-clock").start()
@@ -614,8 +612,11 @@ async def run_python(
         elif proc is None:  # cancelled while it started
             with contextlib.suppress(OSError, subprocess.SubprocessError, asyncio.CancelledError):
                 proc = await spawn
+            # asyncio killed the first process alone, which in the namespace modes can land before
+            # `unshare`'s child set its parent-death signal (--kill-child): the namespace's pid 1, in
+            # the first's group, runs the code on.
             if spawn.cancelled() and (first := _started_pid(started_r)) is not None:
-                await _end_start(first, owner)
+                await _kill_until_gone(first, owner, time.monotonic() + 5)
         if not closed and proc is not None and proc.returncode is None:  # cancelled: ended all the same
             # With the reaper too: killed first, it would hand the run's processes to init, out of reach.
             await _end_run(proc, owner, ours if reaper else None)

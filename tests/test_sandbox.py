@@ -344,15 +344,7 @@ def test_concurrency_cap_across_event_loops():
 
 def _named(name: str) -> list[int]:
     """Live processes (not zombies) named `name` (PR_SET_NAME), seen from outside every namespace."""
-    found = []
-    for pid in os.listdir("/proc"):
-        try:
-            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-            if open(f"/proc/{pid}/comm").read().strip() == name and state != "Z":
-                found.append(int(pid))
-        except OSError:
-            pass
-    return found
+    return [pid for pid, comm in live_process_names().items() if comm == name]
 
 
 def _sleeper(name: str) -> str:
@@ -786,18 +778,24 @@ def _count_signal(signum: int, frame) -> None:
     SIGNALS_CAUGHT.append(signum)
 
 
-def detached_processes() -> list[str]:
-    """'pid name' of every live process the daemon attack named (from outside every namespace)."""
-    found = []
-    for pid in os.listdir("/proc"):
+def live_process_names() -> dict[int, str]:
+    """pid: name (PR_SET_NAME) of every live process (zombies are dead already), from outside every
+    namespace."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             name = open(f"/proc/{pid}/comm").read().strip()
             state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-            if name.startswith("sbx-") and state != "Z":
-                found.append(f"{pid} {name}")
-        except OSError:
+            if state != "Z":
+                found[int(pid)] = name
+        except OSError:  # gone
             pass
     return found
+
+
+def detached_processes() -> list[str]:
+    """'pid name' of every live process the daemon attack named (from outside every namespace)."""
+    return [f"{pid} {name}" for pid, name in live_process_names().items() if name.startswith("sbx-")]
 
 
 def _proc_table() -> dict[int, tuple[int, str, str]]:
