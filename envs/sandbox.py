@@ -36,7 +36,7 @@ Isolation modes, the strongest that works here is probed once per process (`isol
   Python install (read) and the run dir. Without Landlock and not root, the code can read whatever our
   uid can, /proc/<trainer>/environ included; as capability-less root, every root-owned file:
   `isolation_gaps` says so and the trainer refuses. The run dir lies on the machine's disk: a watcher
-  thread (`_watch_disk`) kills a run that holds more than confine.MAX_DIR_BYTES there.
+  process (envs/diskwatch.py) kills a run that holds more than confine.MAX_DIR_BYTES there.
 - "none": rlimits, a new session and the process-group kill only.
 
 Without a pid namespace (seccomp, none) the run's first process is a child subreaper (`_REAPER`): the
@@ -47,7 +47,7 @@ process, and one memory and one pids cgroup (v2, or v1) for all runs together wh
 (envs/confine.py): the pids limit bounds a fork bomb where RLIMIT_NPROC does not (uid 0); a run the
 kernel OOM-kills says so in its `error`. A run cancelled mid-way is killed the same way; a cold run whose
 event loop closes under it, by a thread of its own past its timeout (`_watch_clock`). Disk: 64 MiB
-(confine.MAX_DIR_BYTES) per tmpfs in the namespace modes (ENOSPC past it); elsewhere `_watch_disk`
+(confine.MAX_DIR_BYTES) per tmpfs in the namespace modes (ENOSPC past it); elsewhere the disk watcher
 kills the run past it, with one poll interval's writing beyond (docs/sandbox.md). CPUs: with
 --rollout-cpus the runs pin themselves to those, and a cpuset cgroup, where one can be made, keeps
 code that widens its own affinity on them.
@@ -56,10 +56,12 @@ code that widens its own affinity on them.
 import asyncio
 import contextlib
 import functools
+import itertools
 import json
 import os
 import random
 import resource
+import select
 import shlex
 import shutil
 import signal
@@ -70,6 +72,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from envs import confine
@@ -266,6 +269,7 @@ def _preexec(
     cgroup_procs: list[str],
     no_fork: bool = False,
     started: int | None = None,
+    enlist: tuple[int, str] | None = None,
 ) -> None:
     """Between fork and exec: join the sandbox cgroups (memory budget, process limit), set the rlimits
     (inherited by the whole process tree), and SIGKILL the run's first process when the thread that
@@ -273,9 +277,12 @@ def _preexec(
     --kill-child`, whose death takes the pid namespace with it; otherwise a run sleeping in a syscall
     (no CPU time) would outlive us.
     In mode "seccomp", confine (seccomp + Landlock; `no_fork`: see `_unbounded`) last. `started`: a
-    pipe our pid is written to (`_started_pid`)."""
+    pipe our pid is written to (`_started_pid`). `enlist`: the disk watcher's fd and the line that
+    puts us under it (`_DiskWatcher`), written before the code can write a byte."""
     if started is not None:
         os.write(started, os.getpid().to_bytes(8, "little"))
+    if enlist is not None:  # one write of under PIPE_BUF bytes: never interleaved with another run's
+        os.write(enlist[0], enlist[1].replace("{pid}", str(os.getpid())).encode())
     confine.die_with_parent(os.getppid())
     if mode in ("seccomp", "none"):
         confine.become_subreaper()  # for `_REAPER`: set before exec, kept across it
@@ -537,6 +544,16 @@ async def run_python(
     start = time.monotonic()
     cgroup = confine.memory_cgroup(memory_budget_bytes)
     ooms_before = confine.oom_kills(cgroup)
+    loop = asyncio.get_running_loop()
+    # Modes seccomp and none: the run's id with the disk watcher and its fd; set if the watcher dies.
+    watch, watcher_gone = None, asyncio.Event()
+    if mode in ("seccomp", "none"):  # the run dir lies on the machine's disk, not in a tmpfs
+        try:
+            on_gone = functools.partial(_call_soon, loop, watcher_gone.set)
+            watch = await asyncio.to_thread(_DISK_WATCHER.start, on_gone)
+        except OSError as e:
+            error = f"sandbox failed to start: {e}"
+            return _result(start, (b"", b"", 0), None, False, error, timeout_s, False, budget)
     base = _make_base(mode, uid, code)
     run_dir = os.path.join(base, "run")
     timed_out, error, status = False, "", None
@@ -545,9 +562,14 @@ async def run_python(
     reaper, owner = _reaps(mode, budget), uid if _draws_uid(mode) else None
     ours, theirs = socket.socketpair() if _maps_ids(mode) or reaper else (None, None)
     limits = (timeout_s, _nproc(mode), confine.cgroup_procs(budget), _unbounded(mode, budget))
-    full, stopped = asyncio.Event(), threading.Event()  # the disk watcher's: over the cap; stop watching
+    stopped = threading.Event()  # the run is over: `_watch_clock` stops
+    enlist = None
+    if watch is not None:  # written by the first process before it execs: "{pid}" is its pid
+        enlist = (
+            watch[1],
+            f"watch {watch[0]} {{pid}} {-1 if owner is None else owner} {int(reaper)} {run_dir}\n",
+        )
     clock_fired, closed = threading.Event(), False  # `_watch_clock` ended the run; see GeneratorExit below
-    loop = asyncio.get_running_loop()
     # The first process's pid as soon as it exists: a cancelled start returns no process to end.
     started_r, started_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
     spawn = asyncio.ensure_future(
@@ -556,7 +578,7 @@ async def run_python(
             theirs,
             cwd=run_dir,
             env=_env(mode, base),
-            preexec_fn=functools.partial(_preexec, mode, run_dir, *limits, started=started_w),
+            preexec_fn=functools.partial(_preexec, mode, run_dir, *limits, started=started_w, enlist=enlist),
         )
     )
     try:
@@ -569,28 +591,33 @@ async def run_python(
         threading.Thread(target=_watch_clock, args=args, daemon=True, name="sandbox-clock").start()
         if _maps_ids(mode):
             await asyncio.to_thread(_map_ids, proc.pid, ours)
-        if mode in ("seccomp", "none"):  # the run dir lies on the machine's disk, not in a tmpfs
-            on_full = functools.partial(_call_soon, asyncio.get_running_loop(), full.set)
-            args = (run_dir, proc.pid, owner, stopped, on_full)
-            threading.Thread(target=_watch_disk, args=args, daemon=True, name="sandbox-disk").start()
         drain = asyncio.ensure_future(_drain(proc.stdout, max_output_bytes))
         ended = asyncio.ensure_future(_reaper_status(ours) if reaper else proc.wait())
-        filled = asyncio.ensure_future(full.wait())
+        # The watcher kills a run past the cap itself (then `ended`); its death leaves the run unwatched.
+        gone = asyncio.ensure_future(watcher_gone.wait())
         try:
-            done, _ = await asyncio.wait({ended, filled}, timeout=timeout_s, return_when="FIRST_COMPLETED")
+            done, _ = await asyncio.wait({ended, gone}, timeout=timeout_s, return_when="FIRST_COMPLETED")
         finally:
             ended.cancel()
-            filled.cancel()
+            gone.cancel()
         if ended in done:
             status = ended.result()
-        elif filled in done:
-            status = 128 + signal.SIGKILL  # what the reaper would report of it
-            error = (
-                f"wrote more than {confine.MAX_DIR_BYTES >> 20} MiB (or {confine.MAX_DIR_ENTRIES} files) "
-                "to disk: killed (the sandbox's disk cap)"
-            )
-        else:
+        elif gone not in done:
             timed_out = True
+        if watch is not None:  # ended here, whatever the watcher finds from now on
+            answer = loop.create_future()
+            _DISK_WATCHER.killed(watch[0], functools.partial(_call_soon, loop, _settle, answer))
+            watch = None
+            try:
+                killed = gone in done or await asyncio.wait_for(answer, 10)
+            except TimeoutError:  # a watcher that slow: no verdict
+                killed = False
+            if killed:
+                status = 128 + signal.SIGKILL if status is None else status  # what the reaper would say
+                error = (
+                    f"wrote more than {confine.MAX_DIR_BYTES >> 20} MiB (or {confine.MAX_DIR_ENTRIES} files) "
+                    "to disk, or what it holds could not be told: killed (the sandbox's disk cap)"
+                )
         await _end_run(proc, owner, ours if reaper else None)
         try:
             head, tail, total = await asyncio.wait_for(drain, 2.0)
@@ -604,6 +631,8 @@ async def run_python(
         raise
     finally:
         stopped.set()
+        if watch is not None:  # not asked above (cancelled, or it failed to start): stop watching it
+            _DISK_WATCHER.killed(watch[0], lambda _: None)
         # Closed, not cancelled (its loop gone, by the garbage collector): nothing can be awaited.
         closed = closed or not _running_on(loop)
         if closed:
@@ -633,43 +662,96 @@ async def run_python(
     )
 
 
-DISK_POLL_S = 0.01  # how often `_watch_disk` measures a run dir (~20 µs for a few files)
-DELETED_POLL_EVERY = 10  # ... and at least every so many times the deleted files it holds (~3 ms)
+class _DiskWatcher:
+    """Our end of envs/diskwatch.py's process, one per trainer process (started by the first run that
+    needs it): the run dirs of modes seccomp and none are measured, and a run past the cap killed,
+    there, not in a thread beside the trainer's, whose GIL made one look take up to a second (see that
+    module). A run's first process enlists itself before it execs (`_preexec`), so the code cannot
+    write a byte unwatched, however late our own threads run; `killed` ends the watch and answers
+    whether the watcher killed the run. Should the process die, the runs it watched are told (then
+    killed as if over the cap: what they hold can no longer be told); the next run starts another.
+    A thread of ours reads its reports and hands them on through the callbacks given, which must be
+    safe to call from any thread (`_call_soon`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._ids = itertools.count()
+        self._on_gone: dict[str, tuple[subprocess.Popen, Callable[[], None]]] = {}  # runs watched
+        self._asked: dict[str, tuple[subprocess.Popen, Callable[[bool], None]]] = {}  # `killed`, unanswered
+        self._killed: set[str] = set()  # runs reported killed, until asked
+
+    def start(self, on_gone: Callable[[], None]) -> tuple[str, int]:
+        """A run's id and the fd its first process writes "watch ID PID ..." to; `on_gone` is called
+        should the process die before `killed`. Starts the process unless it runs (~0.1 s); OSError if
+        it cannot be."""
+        with self._lock:
+            proc = self._running()
+            run_id = f"{proc.pid}.{next(self._ids)}"
+            self._on_gone[run_id] = (proc, on_gone)
+            return run_id, proc.stdin.fileno()
+
+    def _running(self) -> subprocess.Popen:
+        if self._proc is not None and self._proc.returncode is None:
+            return self._proc
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        source = f"import sys\nsys.path.insert(0, {root!r})\nfrom envs import diskwatch\ndiskwatch.main()"
+        # A session of its own: a Ctrl-C to the trainer's terminal is not its to print a traceback for.
+        argv = [sys.executable, "-I", "-c", source]
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+        if not select.select([proc.stdout], [], [], 60)[0] or proc.stdout.readline() != b"ready\n":
+            proc.kill()
+            proc.wait()
+            raise OSError("the disk watcher (envs/diskwatch.py) did not start")
+        self._proc = proc
+        threading.Thread(target=self._read, args=(proc,), daemon=True, name="sandbox-disk").start()
+        return proc
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:  # "full ID" (killed), "stopped ID" (the answer to `killed`)
+            kind, run_id = line.decode().split()
+            with self._lock:
+                if kind == "full":
+                    self._killed.add(run_id)
+                    continue
+                _, on_answer = self._asked.pop(run_id, (None, None))
+                was_killed = run_id in self._killed
+                self._killed.discard(run_id)
+            if on_answer is not None:
+                on_answer(was_killed)
+        with self._lock:
+            proc.wait()  # its returncode marks it dead for `_running`
+            gone = [self._on_gone.pop(i)[1] for i, (p, _) in list(self._on_gone.items()) if p is proc]
+            unanswered = [self._asked.pop(i)[1] for i, (p, _) in list(self._asked.items()) if p is proc]
+        for on_gone in gone:
+            on_gone()
+        for on_answer in unanswered:  # what it watched went unwatched: as if over the cap
+            on_answer(True)
+
+    def killed(self, run_id: str, on_answer: Callable[[bool], None]) -> None:
+        """Stop watching run `run_id`; `on_answer(did the watcher kill it)` follows every report of the
+        run (one pipe keeps their order)."""
+        with self._lock:
+            proc, _ = self._on_gone.pop(run_id, (None, None))
+            if proc is not None:
+                self._asked[run_id] = (proc, on_answer)
+                with contextlib.suppress(OSError):  # dead meanwhile: `_read` answers
+                    os.write(proc.stdin.fileno(), f"stop {run_id}\n".encode())
+                return
+        on_answer(True)  # its watcher died under it
 
 
-def _watch_disk(run_dir: str, first: int, uid: int | None, stopped: threading.Event, on_full) -> None:
-    """Modes seccomp and none, in a thread of its own until `stopped`: the run dir lies on the
-    machine's disk (no tmpfs can be mounted), where RLIMIT_FSIZE bounds each file but not how many
-    (640 MiB in 0.2 s were seen). Calls `on_full` once the run holds more than MAX_DIR_BYTES, or what
-    it holds cannot be told (`confine.dir_bytes`, `confine.deleted_bytes`); the run is then killed.
-    Files deleted while open cost a process table to find: they are looked for every
-    DELETED_POLL_EVERY polls, and sooner once what the run held at the last look plus what its
-    filesystem has grown by since (one statfs a poll, everyone's writes) passes the cap. Space another
-    process frees within the same poll hides as much of the run's writing until the next regular look."""
-    temp_dir = os.path.dirname(os.path.dirname(run_dir))  # run_dir's filesystem; the code cannot remove it
-    polls, unknown, grown, last_used, held_then = 0, 0, 0, None, 0
-    while not stopped.wait(DISK_POLL_S):
-        used = confine.fs_used(temp_dir)  # before the dir: a write in between counts twice, never not at all
-        grown += 0 if used is None or last_used is None else max(used - last_used, 0)
-        last_used = used
-        held = confine.dir_bytes(run_dir)
-        due = polls % DELETED_POLL_EVERY == 0 or unknown or used is None
-        if held is not None and (due or held_then + grown > confine.MAX_DIR_BYTES):
-            deleted = confine.deleted_bytes(first, uid)
-            # A process in an exec or on its way out refuses these reads for a moment (seen: one poll
-            # in ~50 runs); one that stays unreadable (made itself non-dumpable) is "cannot tell".
-            unknown = unknown + 1 if deleted is None else 0
-            held = None if unknown >= 3 else held + (deleted or 0)
-            grown, held_then = 0, held or 0
-        polls += 1
-        if not stopped.is_set() and (held is None or held > confine.MAX_DIR_BYTES):
-            on_full()
-            return
+_DISK_WATCHER = _DiskWatcher()
 
 
-def _call_soon(loop: asyncio.AbstractEventLoop, callback) -> None:
+def _settle(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
     with contextlib.suppress(RuntimeError):  # the loop is closed: its run is over anyway
-        loop.call_soon_threadsafe(callback)
+        loop.call_soon_threadsafe(callback, *args)
 
 
 def _result(start, output, exit_code, timed_out, error, timeout_s, oom, budget) -> SandboxResult:
