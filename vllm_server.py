@@ -78,10 +78,13 @@ def port_taken(host: str, port: int) -> bool:
 
 
 def is_loopback(host: str) -> bool:  # ValueError, one line, for a name that does not resolve
+    """Does every address `host` names lie on this machine's loopback: IPv6 (`http://[::1]:8000`) too,
+    which gethostbyname refused as unresolvable."""
     try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
     except OSError as e:
         raise ValueError(f"cannot resolve host {host!r}: {e}") from None
+    return all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
 
 
 def route_source(host: str) -> str:

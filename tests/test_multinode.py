@@ -41,6 +41,7 @@ pytestmark = pytest.mark.timeout(1800)
 # ---------------------------------------------------------------------------------------------------
 def test_default_sync_host_is_our_end_of_the_route_to_the_first_remote_server():
     assert default_sync_host(["http://127.0.0.1:8000", "http://localhost:8001/"]) == "127.0.0.1"
+    assert default_sync_host(["http://[::1]:8000"]) == "127.0.0.1"  # IPv6 loopback: local too
     # 192.0.2.0/24 is a documentation range: a route (the default one) but never a host.
     ours = route_source("192.0.2.77")
     assert ours != "127.0.0.1"
