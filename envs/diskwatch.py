@@ -12,7 +12,8 @@ three, runs wrote 0.6-1.2 GiB past the 64 MiB cap and took 3-7 s to be killed
 Lines on stdin: "watch ID FIRST UID REAPER RUN_DIR" (UID -1: no drawn uid; REAPER 1: FIRST is
 `_REAPER`, killed by envs/sandbox.py, last), written by the run's first process before it execs;
 "stop ID". On stdout: "ready" once; "full ID" for a run found over the cap (or whose holdings cannot
-be told), once it is killed; "stopped ID", the answer to "stop". Ends with its stdin or its parent.
+be told), once it is killed; "stopped ID", the answer to "stop". A run whose dir and first process
+are both gone is dropped unasked. Ends with its stdin or its parent.
 """
 
 import os
@@ -68,7 +69,7 @@ def kill(first: int, uid: int | None, reaper: bool) -> None:
 
 def main() -> None:
     parent, pending = os.getppid(), b""
-    watches: dict[str, tuple[Iterator[bool], int, int | None, bool]] = {}
+    watches: dict[str, tuple[Iterator[bool], int, int | None, bool, str]] = {}
     os.write(1, b"ready\n")
     while os.getppid() == parent:
         if select.select([0], [], [], DISK_POLL_S)[0]:
@@ -82,12 +83,14 @@ def main() -> None:
                     run_id, first, uid, reaper, run_dir = words[1:]
                     owner = None if int(uid) < 0 else int(uid)
                     looks = over_the_cap(run_dir, int(first), owner)
-                    watches[run_id] = (looks, int(first), owner, reaper == "1")
+                    watches[run_id] = (looks, int(first), owner, reaper == "1", run_dir)
                 elif words[0] == "stop":  # answered after any "full" of the run: one pipe keeps the order
                     watches.pop(words[1], None)
                     os.write(1, f"stopped {words[1]}\n".encode())
-        for run_id, (looks, first, uid, reaper) in list(watches.items()):
-            if next(looks):
+        for run_id, (looks, first, uid, reaper, run_dir) in list(watches.items()):
+            if not os.path.isdir(run_dir) and not os.path.exists(f"/proc/{first}"):
+                del watches[run_id]  # the run is over, its dir removed, yet its "stop" never came
+            elif next(looks):
                 kill(first, uid, reaper)
                 del watches[run_id]
                 os.write(1, f"full {run_id}\n".encode())

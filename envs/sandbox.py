@@ -674,6 +674,12 @@ class _DiskWatcher:
     safe to call from any thread (`_call_soon`)."""
 
     def __init__(self) -> None:
+        self._forget()
+        # A forked child (rollout_process.py) starts a watcher of its own: the answers to its runs would
+        # go to our reader, not to one of its own, and our lock may have been held as it forked.
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._ids = itertools.count()

@@ -1576,3 +1576,75 @@ def test_a_run_whose_disk_watcher_dies_is_killed_and_the_next_run_watched(monkey
         failed = asyncio.run(sandbox.run_python("print('fine')", timeout_s=30))
         assert failed.error == "sandbox failed to start: the disk watcher (envs/diskwatch.py) did not start"
         assert failed.exit_code is None and failed.output == ""
+
+
+def test_a_forked_child_watches_its_runs_with_a_watcher_of_its_own(monkeypatch):
+    """rollout_process.py forks the trainer: a child that used its parent's watcher got no answer to
+    its runs (they went to the parent's reader), waited 10 s on each and missed the disk-cap kill."""
+    import multiprocessing
+
+    from envs import sandbox
+
+    mode = "seccomp" if confine.seccomp_filter() is not None else "none"
+    monkeypatch.setattr(sandbox, "isolation_mode", lambda: mode)
+    assert asyncio.run(sandbox.run_python("print('parent')", timeout_s=30)).output == "parent\n"
+
+    def child(results) -> None:
+        r = asyncio.run(sandbox.run_python(ATTACKS["disk"], timeout_s=60))
+        results.put((r.error, r.duration_s, sandbox._DISK_WATCHER._proc.pid))
+
+    results = multiprocessing.get_context("fork").Queue()
+    proc = multiprocessing.get_context("fork").Process(target=child, args=(results,))
+    proc.start()
+    error, duration_s, watcher = results.get(timeout=120)
+    proc.join(30)
+    assert "killed (the sandbox's disk cap)" in error and duration_s < 10, (error, duration_s)
+    assert watcher != sandbox._DISK_WATCHER._proc.pid
+
+
+def test_the_watcher_drops_a_run_that_is_over_without_its_stop(tmp_path):
+    """A run whose "stop" never comes (its event loop closed, its clock thread killed it and removed its
+    dir) is dropped once its dir and its first process are gone: a pid reused later, or a new dir at
+    the same path, is not that run's. Talks to envs/diskwatch.py's process directly."""
+    import subprocess
+
+    source = f"import sys\nsys.path.insert(0, {str(REPO)!r})\nfrom envs import diskwatch\ndiskwatch.main()"
+    watcher = subprocess.Popen(
+        [sys.executable, "-I", "-c", source], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+
+    def say(line: str) -> None:
+        watcher.stdin.write(f"{line}\n".encode())
+        watcher.stdin.flush()
+
+    def looked() -> list[bytes]:
+        """What it reported until it had looked at every run at least once more (commands are read
+        before each round of looks: the second answer comes after a whole round)."""
+        said = []
+        for ping in ("ping1", "ping2"):
+            say(f"stop {ping}")
+            while (line := watcher.stdout.readline()) != f"stopped {ping}\n".encode():
+                said.append(line)
+        return said
+
+    try:
+        assert watcher.stdout.readline() == b"ready\n"
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        run_dir = tmp_path / "base" / "run"
+        for run_id, over in (("1", False), ("2", True)):
+            run_dir.mkdir(parents=True)
+            say(f"watch {run_id} {gone.pid} -1 0 {run_dir}")
+            assert looked() == []
+            if not over:  # the run ends: its dir removed, no "stop"; then a new dir at that path fills
+                shutil.rmtree(run_dir)
+                assert looked() == []
+                run_dir.mkdir(parents=True)
+            for i in range(5):
+                (run_dir / f"f{i}").write_bytes(os.urandom(16 << 20))
+            # The control: a run still on is caught (its first process gone, its dir there).
+            assert looked() == ([b"full 2\n"] if over else []), run_id
+            shutil.rmtree(run_dir)
+    finally:
+        watcher.kill()
+        watcher.wait()
