@@ -372,7 +372,8 @@ def test_a_cold_call_whose_loop_closes_under_it_ends_at_its_timeout(temp_dirs_be
         assert _named(name), f"the code never ran: {call.result() if call.done() else 'pending'}"
         loop.close()  # the call still pending: nothing on the loop will run again
         deadline = time.monotonic() + timeout_s + 15
-        while _named(name) and time.monotonic() < deadline:
+        # The code killed, then its dir removed (the clock thread does both, in that order).
+        while (_named(name) or temp_dirs() - temp_dirs_before) and time.monotonic() < deadline:
             time.sleep(0.1)
         left = _named(name)
         assert not left, "the code of a call whose loop closed outlived its timeout"
