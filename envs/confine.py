@@ -40,6 +40,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _PR_SET_NO_NEW_PRIVS = 38
@@ -506,6 +507,15 @@ def kill_run(first: int, uid: int | None) -> dict[int, str]:
             except OSError:
                 pass
     return {pid: table[pid][0] for pid in run}
+
+
+def kill_until_gone(first: int, uid: int | None, deadline: float) -> dict[int, str]:
+    """kill_run until none of the run but `first` is left alive (a fork bomb: a few rounds) or the
+    monotonic `deadline`, sleeping between rounds (blocking: envs/sandbox.py's loop has its own
+    awaiting copy); what the last round found."""
+    while set((left := kill_run(first, uid)).values()) - {"Z"} and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return left
 
 
 def dir_bytes(run_dir: str, max_entries: int = MAX_DIR_ENTRIES) -> int | None:

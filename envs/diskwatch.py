@@ -57,9 +57,7 @@ def over_the_cap(run_dir: str, first: int, uid: int | None) -> Iterator[bool]:
 def kill(first: int, uid: int | None, reaper: bool) -> None:
     """Stop the run writing: every process of it but a reaper `first`, which envs/sandbox.py ends
     (killed now, it would hand what is left to init)."""
-    deadline = time.monotonic() + 1
-    while set(confine.kill_run(first, uid).values()) - {"Z"} and time.monotonic() < deadline:
-        time.sleep(0.005)
+    confine.kill_until_gone(first, uid, time.monotonic() + 1)
     if not reaper:
         try:
             os.killpg(first, signal.SIGKILL)  # its process group: the code's first process is its id

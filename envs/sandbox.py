@@ -483,8 +483,7 @@ def _started_pid(started: int) -> int | None:
 
 
 async def _kill_until_gone(first: int, uid: int | None, deadline: float) -> dict[int, str]:
-    """confine.kill_run over the run of first process `first` until none is left alive (a fork bomb: a
-    few rounds) or `deadline`; what the last round found."""
+    """confine.kill_until_gone for the event loop: its rounds awaited, not slept."""
     while set((left := confine.kill_run(first, uid)).values()) - {"Z"} and time.monotonic() < deadline:
         await asyncio.sleep(0.005)
     return left
@@ -495,9 +494,7 @@ def _end_run_off_loop(proc: asyncio.subprocess.Process, uid: int | None, reaper:
     last where it is a reaper. Reaped by asyncio's child watcher thread (or, the reaper gone, init)."""
     if not reaper:
         _signal_kill(proc)
-    deadline = time.monotonic() + 5
-    while set(confine.kill_run(proc.pid, uid).values()) - {"Z"} and time.monotonic() < deadline:
-        time.sleep(0.005)
+    confine.kill_until_gone(proc.pid, uid, time.monotonic() + 5)
     _signal_kill(proc)
 
 
