@@ -343,8 +343,7 @@ def _sandbox_cgroup(controller: str, budget_bytes: int, cpus: str = "") -> tuple
             return None
         parent, version = found
         for old in glob.glob(os.path.join(parent, "sandbox-*-*")):
-            pid = os.path.basename(old).split("-")[1]
-            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            if left_by_a_dead_process(os.path.basename(old)):
                 try:
                     os.rmdir(old)  # a cgroup with no process left goes with rmdir, its files and all
                 except OSError:
@@ -355,7 +354,7 @@ def _sandbox_cgroup(controller: str, budget_bytes: int, cpus: str = "") -> tuple
                 if controller not in f.read().split():
                     f.write(f"+{controller}")
                     f.flush()
-        d = os.path.join(parent, f"sandbox-{os.getpid()}-{budget_bytes >> 20}m")
+        d = os.path.join(parent, f"sandbox-{owner_tag()}-{budget_bytes >> 20}m")
         os.makedirs(d, exist_ok=True)
         limit, swap = _LIMITS[controller]
         value = {"memory": budget_bytes, "pids": MAX_PIDS, "cpuset": cpus}[controller]
@@ -490,14 +489,17 @@ def _run_processes(table: dict, first: int, uid: int | None) -> set[int]:
     return run | {pid for pid, (_, _, pgrp, owner) in table.items() if pgrp == first or owner == uid}
 
 
-def kill_run(first: int, uid: int | None) -> dict[int, str]:
+def kill_run(first: int, uid: int | None, spare_init: bool = False) -> dict[int, str]:
     """SIGKILL every process of a run but its first process `first` (whose pid is its process group):
     the descendants of `first` (a subreaper: a setsid() or double-fork daemon of the run comes back to
     it, not to init), its process group, and every process of its drawn `uid`. Returns each with its
     state before the kill ("Z": a zombie, gone with its reaper). `first` goes last, once none is left
-    alive: killed before, it would hand what is left to init."""
+    alive: killed before, it would hand what is left to init. `spare_init`: nor the child of `first`
+    that is pid 1 of the run's pid namespace (`unshare --fork`'s: it exits once the code is dead)."""
     table = _process_table()
     run = _run_processes(table, first, uid) - {first}
+    if spare_init:
+        run -= {pid for pid in run if table[pid][1] == first and _namespace_pid(pid) == 1}
     # Their process groups first, each in one call that a fork cannot slip past (a fork bomb): a group
     # lies within the session it was made in, and every session here is the run's but `first`'s own.
     for kill, ids in ((os.killpg, {table[pid][2] for pid in run} - {first}), (os.kill, run)):
@@ -509,11 +511,11 @@ def kill_run(first: int, uid: int | None) -> dict[int, str]:
     return {pid: table[pid][0] for pid in run}
 
 
-def kill_until_gone(first: int, uid: int | None, deadline: float) -> dict[int, str]:
+def kill_until_gone(first: int, uid: int | None, deadline: float, spare_init: bool = False) -> dict[int, str]:
     """kill_run until none of the run but `first` is left alive (a fork bomb: a few rounds) or the
     monotonic `deadline`, sleeping between rounds (blocking: envs/sandbox.py's loop has its own
     awaiting copy); what the last round found."""
-    while set((left := kill_run(first, uid)).values()) - {"Z"} and time.monotonic() < deadline:
+    while set((left := kill_run(first, uid, spare_init)).values()) - {"Z"} and time.monotonic() < deadline:
         time.sleep(0.005)
     return left
 
@@ -607,6 +609,15 @@ def _stat(pid: int) -> list[str]:
         return f.read().rsplit(")", 1)[1].split()
 
 
+def _namespace_pid(pid: int) -> int | None:
+    """`pid`'s id in its own (innermost) pid namespace; None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(line.split()[-1]) for line in f if line.startswith("NSpid:")), None)
+    except (OSError, ValueError):
+        return None
+
+
 def user_process_count() -> int:
     """How many processes our uid has (RLIMIT_NPROC counts them)."""
     return sum(owner == os.getuid() for _, _, _, owner in _process_table().values())
@@ -631,15 +642,31 @@ def remove_tree(path: str) -> None:
 @functools.cache
 def remove_run_dirs_of_dead_processes() -> None:
     """Each run removes its own dir, but a SIGKILLed trainer leaves those of its live runs (the runs
-    die with it, by PR_SET_PDEATHSIG; nobody is left to clean up). Run dirs are named after the pid of
-    the process that made them, and the first run of every process removes those of dead pids."""
+    die with it, by PR_SET_PDEATHSIG; nobody is left to clean up). Run dirs are named after the process
+    that made them (`owner_tag`), and the first run of every process removes those of dead ones."""
     for path in glob.glob(os.path.join(tempfile.gettempdir(), "sandbox-*-*")):
-        owner = os.path.basename(path).split("-")[1]
-        if not owner.isdigit():
-            continue
-        try:
-            os.kill(int(owner), 0)
-        except ProcessLookupError:
+        if left_by_a_dead_process(os.path.basename(path)):
             remove_tree(path)
-        except PermissionError:  # alive, someone else's
-            pass
+
+
+def owner_tag() -> str:
+    """ "{pid}-{pid namespace}": what the names of our run dirs and sandbox cgroups start with (after
+    "sandbox-"). A pid alone is not enough to tell the dead: a trainer in a pid namespace of its own
+    (an `unshare --pid` shell, a container sharing /tmp or the cgroup tree) could not see ours, and removed
+    the dirs of our runs in progress and our cgroups, which our next run then failed to join."""
+    return f"{os.getpid()}-{os.stat('/proc/self/ns/pid').st_ino}"
+
+
+def left_by_a_dead_process(name: str) -> bool:
+    """Is `name` ("sandbox-{owner_tag}-...") that of a process of our pid namespace that is gone?"""
+    parts = name.split("-")
+    if len(parts) < 4 or not parts[1].isdigit() or parts[2] != str(os.stat("/proc/self/ns/pid").st_ino):
+        return False
+    pid = parts[1]
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, someone else's
+        pass
+    return False

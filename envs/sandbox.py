@@ -154,7 +154,9 @@ def _ns_prologue(cold: bool = True) -> str:
         "umount -l .",  # ... and is detached here: nothing outside the minimal root is reachable
         f"cd {RUN_DIR_INSIDE}",
         "shift 2",
-        '"$@"; exit $?',
+        # The shell's own "Killed" for a killed code to nowhere: it is not the code's output. A
+        # subshell: dash waits for a plain command with that command's redirections still applied.
+        'exec 3>&2 2>/dev/null; (exec "$@" 2>&3 3>&-); exit $?',
     ]
     return "\n".join(lines)
 
@@ -162,10 +164,12 @@ def _ns_prologue(cold: bool = True) -> str:
 # The first process of a run without a pid namespace (`_reaps`), a child subreaper (`_preexec`): runs
 # the code in a session of its own (dying with us: --pdeathsig), says its exit status on its stdin, a
 # socket, and waits there, holding the run's orphans, until `_end_run` has killed them and closes it.
+# Its own stderr is /dev/null: the shell's "Killed" for a killed code is not the code's output.
 # Told to reap ($0: this Python), it waits for every child before it exits: left to init, the killed
 # orphans are reaped at init's pace (~2 s under some container inits), and fill the pids cgroup until.
 _REAPER = (
-    '"$@" </dev/null & wait $!; echo $? >&0; read r; [ "$r" = reap ] && exec "$0" -I -S -c "import os\n'
+    'exec 3>&2 2>/dev/null; "$@" </dev/null 2>&3 3>&- & wait $!; echo $? >&0; read r; '
+    '[ "$r" = reap ] && exec "$0" -I -S -c "import os\n'
     'try:\n while 1: os.wait()\nexcept ChildProcessError: pass"; exit 0'
 )
 
@@ -373,7 +377,7 @@ def isolation_gaps() -> list[str]:
 def _make_base(mode: str, uid: int, code: str) -> str:
     """base/run (the code's dir, with main.py) and, in the namespace modes, base/root (a mount point)."""
     confine.remove_run_dirs_of_dead_processes()
-    base = tempfile.mkdtemp(prefix=f"sandbox-{os.getpid()}-")
+    base = tempfile.mkdtemp(prefix=f"sandbox-{confine.owner_tag()}-")
     run_dir = os.path.join(base, "run")
     os.mkdir(run_dir)
     # A few KB written synchronously: cheaper than a thread hop.
@@ -433,15 +437,25 @@ async def _reaper_status(sock: socket.socket) -> int | None:
     return int(data) if data.strip().isdigit() else None
 
 
-async def _end_run(proc: asyncio.subprocess.Process, uid: int | None, reaper: socket.socket | None) -> None:
+async def _end_run(
+    proc: asyncio.subprocess.Process, uid: int | None, reaper: socket.socket | None, namespaces: bool
+) -> None:
     """Kill every process of the run and wait until they are gone (a fork bomb is bounded by RLIMIT_NPROC
-    or the pids cgroup: a few rounds). The first process goes first (`unshare`: the pid namespace dies
-    after it, not with it), or last (a reaper: what it still holds would go to init)."""
-    if reaper is None:
-        _signal_kill(proc)
+    or the pids cgroup: a few rounds). In the `namespaces` modes the code's processes go first: the
+    namespace's pid 1, the prologue's shell, then exits with the code's status, and `unshare` with it,
+    each reaping what it holds. Killed first, `unshare` left its child to init, which reaped it at its
+    pace (a timed-out run of 1 s returned after 2-3 s, and never where the trainer is the container's
+    pid 1); its pid 1 killed, it reported "sigprocmask unblock failed" and exit 1 (util-linux 2.38).
+    A reaper goes last too (what it still holds would go to init); the code itself (mode seccomp
+    where it may not fork: `_unbounded`) first."""
     deadline = time.monotonic() + 5
-    left = await _kill_until_gone(proc.pid, uid, deadline)
-    if reaper is not None:
+    left = await _kill_until_gone(proc.pid, uid, deadline, spare_init=namespaces)
+    if reaper is None:
+        if namespaces:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(proc.wait(), max(deadline - time.monotonic(), 0.1))
+        _signal_kill(proc)  # past the deadline, `unshare --kill-child` takes the namespace with it
+    else:
         with contextlib.suppress(OSError):
             reaper.sendall(b"reap\n" if left else b"\n")  # the killed orphans are its children now
         reaper.close()  # its cue to exit, where it waits for it
@@ -450,9 +464,9 @@ async def _end_run(proc: asyncio.subprocess.Process, uid: int | None, reaper: so
         except TimeoutError:  # a child it cannot reap (one left alive past the deadline)
             _signal_kill(proc)
     await proc.wait()
-    # The zombies go with their reaper: the namespace's pid 1 as it dies after `unshare`, or init once
-    # the reaper is gone. Until then they are the run's (a run that returned with one was seen) and
-    # fill its pids cgroup.
+    # The zombies go with their reaper: `_REAPER` as it exits, the namespace's pid 1 as it dies, or init
+    # where one outlived the deadline. Until then they are the run's (a run that returned with one was
+    # seen) and fill its pids cgroup.
     while any(os.path.exists(f"/proc/{pid}") for pid in left) and time.monotonic() < deadline:
         await asyncio.sleep(0.005)
 
@@ -482,9 +496,14 @@ def _started_pid(started: int) -> int | None:
     return int.from_bytes(data, "little") if len(data) == 8 else None
 
 
-async def _kill_until_gone(first: int, uid: int | None, deadline: float) -> dict[int, str]:
+async def _kill_until_gone(
+    first: int, uid: int | None, deadline: float, spare_init: bool = False
+) -> dict[int, str]:
     """confine.kill_until_gone for the event loop: its rounds awaited, not slept."""
-    while set((left := confine.kill_run(first, uid)).values()) - {"Z"} and time.monotonic() < deadline:
+    while (
+        set((left := confine.kill_run(first, uid, spare_init)).values()) - {"Z"}
+        and time.monotonic() < deadline
+    ):
         await asyncio.sleep(0.005)
     return left
 
@@ -557,6 +576,7 @@ async def run_python(
     head, tail, total = b"", b"", 0
     proc = None
     reaper, owner = _reaps(mode, budget), uid if _draws_uid(mode) else None
+    namespaces = mode in ("root-ns", "user-ns")
     ours, theirs = socket.socketpair() if _maps_ids(mode) or reaper else (None, None)
     limits = (timeout_s, _nproc(mode), confine.cgroup_procs(budget), _unbounded(mode, budget))
     stopped = threading.Event()  # the run is over: `_watch_clock` stops
@@ -601,6 +621,8 @@ async def run_python(
             status = ended.result()
         elif gone not in done:
             timed_out = True
+            # Killed by `_end_run` below; the reaper's status is not read once its wait is cancelled.
+            status = 128 + signal.SIGKILL if reaper else None
         if watch is not None:  # ended here, whatever the watcher finds from now on
             answer = loop.create_future()
             _DISK_WATCHER.killed(watch[0], functools.partial(_call_soon, loop, _settle, answer))
@@ -615,7 +637,7 @@ async def run_python(
                     f"wrote more than {confine.MAX_DIR_BYTES >> 20} MiB (or {confine.MAX_DIR_ENTRIES} files) "
                     "to disk, or what it holds could not be told: killed (the sandbox's disk cap)"
                 )
-        await _end_run(proc, owner, ours if reaper else None)
+        await _end_run(proc, owner, ours if reaper else None, namespaces)
         try:
             head, tail, total = await asyncio.wait_for(drain, 2.0)
         # A writer escaped the kill (only possible without namespaces).
@@ -645,7 +667,7 @@ async def run_python(
                 await _kill_until_gone(first, owner, time.monotonic() + 5)
         if not closed and proc is not None and proc.returncode is None:  # cancelled: ended all the same
             # With the reaper too: killed first, it would hand the run's processes to init, out of reach.
-            await _end_run(proc, owner, ours if reaper else None)
+            await _end_run(proc, owner, ours if reaper else None, namespaces)
         if ours:
             ours.close()
         os.close(started_r)

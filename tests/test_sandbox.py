@@ -81,9 +81,56 @@ def test_infinite_loop_is_killed():
 def test_sleep_past_timeout_is_killed():
     r = run("import time; print('start', flush=True); time.sleep(100)", timeout_s=1)
     assert r.timed_out and r.output == "start\n"
-    # Killed at its deadline, not after the sleep's 100 s: the kill and the wait for the run's processes
-    # to leave /proc took 2 s past the deadline once, at the start of a `make test` beside two streams.
-    assert r.duration_s < 10
+    assert r.duration_s < 10  # killed at its deadline, not after the sleep's 100 s
+
+
+TIMED_OUT_FORKS = "import os, time\nfor _ in range(2): os.fork()\nprint('hi', flush=True)\ntime.sleep(100)"
+PID_1_RUN = """
+import asyncio, json, os, sys
+from envs import sandbox
+sandbox.isolation_mode = lambda: sys.argv[1]
+r = asyncio.run(sandbox.run_python(sys.argv[2], timeout_s=1))
+try:
+    orphan = os.waitpid(-1, os.WNOHANG)[0] or None  # 0: only live children of ours (the disk watcher)
+except ChildProcessError:
+    orphan = None
+print(json.dumps([os.getpid(), r.exit_code, r.timed_out, r.output, r.error, orphan]))
+"""
+
+
+@pytest.mark.parametrize("mode", ["root-ns", "user-ns", "seccomp", "none"])
+def test_a_timed_out_run_reports_the_codes_kill_alone_and_leaves_no_orphan(mode):
+    """A timed-out cold run, its code forked, with the trainer as pid 1 (a container started without
+    an init: nothing else reaps an orphan). Every mode reports what the code did: its output, exit
+    137, "timed out". Before: modes seccomp and none said exit 0 (their reaper's) and their shell's
+    "Killed" was in the output; the namespace modes killed `unshare` first, which left the
+    namespace's pid 1 to the trainer, unreaped (a zombie per timed-out run, and the run returned at
+    its 5 s deadline), or to a container's init, which reaped it 1-2 s late."""
+    import json
+    import subprocess
+
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare to make the trainer pid 1 of a pid namespace")
+    if mode == "seccomp" and confine.seccomp_filter() is None:
+        pytest.skip("no libseccomp bindings")
+    argv = [
+        "unshare",
+        "--pid",
+        "--fork",
+        "--mount-proc",
+        sys.executable,
+        "-c",
+        PID_1_RUN,
+        mode,
+        TIMED_OUT_FORKS,
+    ]
+    env = {**os.environ, "PYTHONPATH": REPO}
+    p = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    pid, exit_code, timed_out, output, error, orphan = json.loads(p.stdout.splitlines()[-1])
+    assert pid == 1
+    assert (exit_code, timed_out, output, error) == (137, True, "hi\n" * 4, "timed out after 1 s")
+    assert orphan is None, f"the run left process {orphan} to the trainer (pid 1) to reap"
 
 
 def test_fork_bomb_is_contained():
@@ -511,9 +558,12 @@ def test_run_dirs_of_a_killed_process_are_removed_by_the_next_process(next_path)
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # its pid is now free: a SIGKILLed trainer's run dir looks like this one
-    orphan = tempfile.mkdtemp(prefix=f"sandbox-{dead.pid}-")
+    namespace = os.stat("/proc/self/ns/pid").st_ino
+    orphan = tempfile.mkdtemp(prefix=f"sandbox-{dead.pid}-{namespace}-")
     open(os.path.join(orphan, "main.py"), "w").close()
-    live = tempfile.mkdtemp(prefix=f"sandbox-{os.getpid()}-")  # a live process's run in progress
+    live = tempfile.mkdtemp(prefix=f"sandbox-{confine.owner_tag()}-")  # a live process's run in progress
+    # A run in progress of a process in another pid namespace, whose pid is free in ours.
+    elsewhere = tempfile.mkdtemp(prefix=f"sandbox-{dead.pid}-{namespace + 1}-")
     try:
         # The next process uses one path only: a trainer's runs all go warm in the namespace modes.
         code = (
@@ -525,9 +575,10 @@ def test_run_dirs_of_a_killed_process_are_removed_by_the_next_process(next_path)
             [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO, check=False
         )
         assert r.stdout.strip() == "1", r.stderr
-        assert not os.path.exists(orphan) and os.path.isdir(live)
+        assert not os.path.exists(orphan) and os.path.isdir(live) and os.path.isdir(elsewhere)
     finally:
         os.rmdir(live)
+        os.rmdir(elsewhere)
 
 
 def _python_with_venv_at(where: str, tmp_root: str) -> list[str]:
