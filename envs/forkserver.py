@@ -22,6 +22,7 @@ Nothing of a call outlives it: variables, monkeypatched modules and threads die 
 with A's tmpfs. Two forks per call, not three: each copies the page tables of a heap holding sympy.
 """
 
+import atexit
 import ctypes
 import errno
 import gc
@@ -32,6 +33,7 @@ import select
 import signal
 import socket
 import sys
+import threading
 import traceback
 import types
 
@@ -97,6 +99,7 @@ def run_code(req: dict, out_fd: int) -> None:
         main.__file__ = "/sandbox/main.py"  # as `python main.py` has it (and its tracebacks say)
         sys.modules["__main__"] = main
         source = open("main.py", encoding="utf-8", errors="replace").read()
+        atexit._clear()  # the server's, not the code's
         code = 0
         exec(compile(source, main.__file__, "exec"), main.__dict__)
     except SystemExit as e:
@@ -113,6 +116,16 @@ def run_code(req: dict, out_fd: int) -> None:
         _flush(sys.stdout)
         traceback.print_exception(type(e), e, tb)
     finally:
+        # The end of `python main.py`: its output flushed once the code is done (a run killed while
+        # a thread holds it on still says what it printed), then (Py_FinalizeEx) the code's non-daemon
+        # threads waited for and its atexit callbacks run. os._exit alone dropped both.
+        for stream in (sys.stdout, sys.stderr):
+            _flush(stream)
+        try:
+            threading._shutdown()
+        except BaseException:  # interrupted: the callbacks all the same, as the interpreter does
+            pass
+        atexit._run_exitfuncs()
         for stream in (sys.stdout, sys.stderr):
             _flush(stream)
         os._exit(code & 0xFF)

@@ -263,7 +263,7 @@ def test_warm_path_starts_every_call_clean():
         "import builtins, os, threading, time, numpy, subprocess\n"
         "X = 1; builtins.LEAK = 1; numpy.arange = None\n"
         "open('left', 'w').write('x'); open('/tmp/left', 'w').write('x')\n"
-        "threading.Thread(target=time.sleep, args=(60,)).start()\n"
+        "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"  # non-daemon: waited for
         "subprocess.Popen(['sleep', '60'])\nprint('dirty')"
     )
     check = (
@@ -1594,6 +1594,36 @@ def test_warm_and_cold_paths_report_the_same_output_and_exit_code(code):
         c.output,
         1,
     )
+
+
+ENDINGS = {  # code: what `python main.py` prints
+    "import atexit\natexit.register(print, 'at exit')\nprint('main')": "main\nat exit\n",
+    "import threading, time\nthreading.Thread(target=lambda: (time.sleep(0.3), print('thread'))).start()\n"
+    "print('main')": "main\nthread\n",
+    "import threading\nthreading.Thread(target=threading.Event().wait).start()\nprint('main')": "main\n",
+}
+
+
+@needs_ns
+@pytest.mark.parametrize("code", ENDINGS, ids=["atexit", "thread", "stuck-thread"])
+def test_the_warm_path_ends_the_code_as_python_does(code):
+    """A program's end as `python main.py` has it: its non-daemon threads waited for, then its atexit
+    callbacks run, what it printed flushed first. The warm path's child left by os._exit at the end of
+    the main module: a thread's and a callback's prints were lost, and a run killed at its timeout
+    while a thread held it said nothing of what its main module had printed."""
+    warm, cold = Sandbox(1), Sandbox(1, warm=False)
+
+    async def both():
+        return [await sandbox.run(code, timeout_s=2) for sandbox in (warm, cold)]
+
+    try:
+        w, c = asyncio.run(both())
+    finally:
+        warm.close()
+        cold.close()
+    stuck = "Event().wait" in code
+    assert (c.output, c.exit_code, c.timed_out) == (ENDINGS[code], 137 if stuck else 0, stuck), c
+    assert (w.output, w.exit_code, w.timed_out) == (c.output, c.exit_code, c.timed_out), w
 
 
 def test_a_run_whose_disk_watcher_dies_is_killed_and_the_next_run_watched(monkeypatch):
