@@ -1572,6 +1572,20 @@ if __name__ == "__main__" and sys.argv[1] == "attacks":
     print(json.dumps(attack_suite(int(sys.argv[2]))))
 
 
+def warm_and_cold(code: str, timeout_s: float) -> list:
+    """`code`'s results through a warm and a cold Sandbox."""
+    warm, cold = Sandbox(1), Sandbox(1, warm=False)
+
+    async def both():
+        return [await sandbox.run(code, timeout_s=timeout_s) for sandbox in (warm, cold)]
+
+    try:
+        return asyncio.run(both())
+    finally:
+        warm.close()
+        cold.close()
+
+
 @needs_ns
 @pytest.mark.parametrize(
     "code", ["print('first')\nraise ValueError('then')", "print('first')\nimport sys\nsys.exit('a message')"]
@@ -1580,16 +1594,7 @@ def test_warm_and_cold_paths_report_the_same_output_and_exit_code(code):
     """What the model reads back of a failing program: the warm path printed the traceback before the
     code's own prints (stdout, block-buffered, was flushed after it), named the file `main.py` where
     Python says `/sandbox/main.py`, and gave sys.exit("message") status 0."""
-    warm, cold = Sandbox(1), Sandbox(1, warm=False)
-
-    async def both():
-        return [await sandbox.run(code, timeout_s=30) for sandbox in (warm, cold)]
-
-    try:
-        w, c = asyncio.run(both())
-    finally:
-        warm.close()
-        cold.close()
+    w, c = warm_and_cold(code, timeout_s=30)
     assert w.output.startswith("first\n") and (w.output, w.exit_code) == (c.output, c.exit_code) == (
         c.output,
         1,
@@ -1611,16 +1616,7 @@ def test_the_warm_path_ends_the_code_as_python_does(code):
     callbacks run, what it printed flushed first. The warm path's child left by os._exit at the end of
     the main module: a thread's and a callback's prints were lost, and a run killed at its timeout
     while a thread held it said nothing of what its main module had printed."""
-    warm, cold = Sandbox(1), Sandbox(1, warm=False)
-
-    async def both():
-        return [await sandbox.run(code, timeout_s=2) for sandbox in (warm, cold)]
-
-    try:
-        w, c = asyncio.run(both())
-    finally:
-        warm.close()
-        cold.close()
+    w, c = warm_and_cold(code, timeout_s=2)
     stuck = "Event().wait" in code
     assert (c.output, c.exit_code, c.timed_out) == (ENDINGS[code], 137 if stuck else 0, stuck), c
     assert (w.output, w.exit_code, w.timed_out) == (c.output, c.exit_code, c.timed_out), w
