@@ -290,6 +290,10 @@ MEMORY_LIMIT_BYTES = 2 * 1024**3  # RLIMIT_AS: address space, generous for numpy
 MAX_FILE_BYTES = 16 * 1024**2  # RLIMIT_FSIZE: largest file the code may write
 MAX_OPEN_FILES = 128  # RLIMIT_NOFILE
 MAX_PIDS = 512  # pids.max: processes and threads of all live runs and the fork server together
+# Threads of a run that may not fork (`seccomp_filter(no_fork)`: uid 0, no pids cgroup), where nothing
+# else bounds them (11,000 in 3 s were seen, a third of this machine's pid_max): the disk watcher
+# (envs/diskwatch.py) kills the run past it, a poll late; half MAX_PIDS leaves that poll its room.
+MAX_RUN_THREADS = MAX_PIDS // 2
 # The disk a run may fill: the size of the namespace modes' tmpfs at /sandbox (and of their /tmp and
 # /dev/shm, each its own; envs/forkserver.py's too); elsewhere what `dir_bytes` and `deleted_bytes` may
 # find (the watcher in envs/sandbox.py kills the run past it): RLIMIT_FSIZE bounds each file, not how many.
@@ -607,6 +611,15 @@ def _stat(pid: int) -> list[str]:
     the code's to choose, ")" included."""
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()
+
+
+def thread_count(pid: int) -> int | None:
+    """How many threads process `pid` has; None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(line.split()[1]) for line in f if line.startswith("Threads:")), None)
+    except (OSError, ValueError):
+        return None
 
 
 def _namespace_pid(pid: int) -> int | None:

@@ -660,6 +660,13 @@ COUNT_FORKS = (
     "import os, time\nn = 0\nwhile n < FORK_CAP:\n    try: pid = os.fork()\n    except OSError: break\n"
     "    if pid == 0: os.close(1); os.close(2); time.sleep(60); os._exit(0)\n    n += 1\nprint(n)"
 ).replace("FORK_CAP", str(FORK_CAP))
+# How many threads the code can have at once: daemon threads that sleep, started until that fails, or
+# FORK_CAP; each count printed as it is reached (the run may be killed at its limit, not refused).
+COUNT_THREADS = (
+    "import threading, time\nthreading.stack_size(65536)\nn = 0\nwhile n < FORK_CAP:\n"
+    "    try: threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+    "    except RuntimeError: break\n    n += 1\n    print(n, flush=True)"
+).replace("FORK_CAP", str(FORK_CAP))
 ATTACKS = {
     "walk": (
         "import os\nfor top, dirs, files in os.walk('/'):\n"
@@ -910,15 +917,17 @@ def descendants(pid: int) -> set[int]:
 
 def bomb_then_print(sandbox: Sandbox, others: list[Sandbox]) -> dict:
     """A fork bomb, then an innocent call, through `sandbox`: how long the bomb took, what the next
-    call printed, how many processes a third call could start, and which processes of the three are
-    left once they have returned (the fork servers of `others` and of `sandbox`, and the disk watcher
-    of the modes without a tmpfs, are not)."""
+    call printed, how many processes a third call could start and threads a fourth, and which
+    processes of the four are left once they have returned (the fork servers of `others` and of
+    `sandbox`, and the disk watcher of the modes without a tmpfs, are not)."""
 
-    async def three():
+    async def in_turn():
         bomb = await sandbox.run(BOMB, timeout_s=BOMB_TIMEOUT_S)
-        return bomb, await sandbox.run("print(2)", timeout_s=30), await sandbox.run(COUNT_FORKS, timeout_s=30)
+        after = await sandbox.run("print(2)", timeout_s=30)
+        forks = await sandbox.run(COUNT_FORKS, timeout_s=30)
+        return bomb, after, forks, await sandbox.run(COUNT_THREADS, timeout_s=30)
 
-    bomb, after, forks = asyncio.run(three())
+    bomb, after, forks, threads = asyncio.run(in_turn())
     servers = [s._server.proc.pid for s in [sandbox, *others] if s._server and s._server.proc]
     servers += [_DISK_WATCHER._proc.pid] if _DISK_WATCHER._proc else []
     deadline = time.monotonic() + 1  # the kernel reaps the killed tree; give it a moment
@@ -930,6 +939,7 @@ def bomb_then_print(sandbox: Sandbox, others: list[Sandbox]) -> dict:
         "next": after.output + after.error,
         "left": sorted(left),
         "processes": forks.output + forks.error,
+        "threads": (threads.output.split() or ["0"])[-1] + " " + threads.error,
     }
 
 
@@ -1116,6 +1126,9 @@ def check_attacks(report: dict, listener: socket.socket) -> None:
         assert bomb["left"] == [], (path, bomb)
         # The most any limit allows: the pids cgroup (RLIMIT_NPROC is lower where it binds).
         assert int(bomb["processes"].split()[0]) <= MAX_PIDS, (path, bomb)
+        # Threads too, where nothing but the disk watcher bounds them (uid 0 that may not fork): it
+        # kills the run past confine.MAX_RUN_THREADS, a poll late (600, the cap, before it).
+        assert int(bomb["threads"].split()[0]) <= MAX_PIDS, (path, bomb)
 
 
 @pytest.fixture
