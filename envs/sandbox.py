@@ -444,8 +444,9 @@ async def _end_run(
     or the pids cgroup: a few rounds). In the `namespaces` modes the code's processes go first: the
     namespace's pid 1, the prologue's shell, then exits with the code's status, and `unshare` with it,
     each reaping what it holds. Killed first, `unshare` left its child to init, which reaped it at its
-    pace (a timed-out run of 1 s returned after 2-3 s, and never where the trainer is the container's
-    pid 1); its pid 1 killed, it reported "sigprocmask unblock failed" and exit 1 (util-linux 2.38).
+    pace (a timed-out run of 1 s returned after 2-3 s; where the trainer is a container's pid 1, which
+    reaps nothing, at the 5 s deadline, leaving a zombie); its pid 1 killed, `unshare` reported
+    "sigprocmask unblock failed" and exit 1 (util-linux 2.38).
     A reaper goes last too (what it still holds would go to init); the code itself (mode seccomp
     where it may not fork: `_unbounded`) first."""
     deadline = time.monotonic() + 5
@@ -702,9 +703,7 @@ class _DiskWatcher:
         self._ids = itertools.count()
         self._on_gone: dict[str, tuple[subprocess.Popen, Callable[[], None]]] = {}  # runs watched
         self._asked: dict[str, tuple[subprocess.Popen, Callable[[str | None], None]]] = {}  # unanswered
-        self._killed: dict[
-            str, str
-        ] = {}  # runs reported killed: their report ("full", "threads"), until asked
+        self._killed: dict[str, str] = {}  # run reported killed -> "full" or "threads", until asked
 
     def start(self, on_gone: Callable[[], None]) -> tuple[str, int]:
         """A run's id and the fd its first process writes "watch ID PID ..." to; `on_gone` is called
