@@ -663,10 +663,10 @@ def remove_run_dirs_of_dead_processes() -> None:
 
 
 def owner_tag() -> str:
-    """ "{pid}-{pid namespace}": what the names of our run dirs and sandbox cgroups start with (after
-    "sandbox-"). A pid alone is not enough to tell the dead: a trainer in a pid namespace of its own
-    (an `unshare --pid` shell, a container sharing /tmp or the cgroup tree) could not see ours, and removed
-    the dirs of our runs in progress and our cgroups, which our next run then failed to join."""
+    """What the names of our run dirs and sandbox cgroups start with after "sandbox-": our pid and our
+    pid namespace. A pid alone did not tell the dead: a process in a pid namespace of its own (an
+    `unshare --pid` shell, a container sharing /tmp or the cgroup tree) could not see ours, and
+    removed the dirs of our runs in progress and our cgroups, which our next run then failed to join."""
     return f"{os.getpid()}-{os.stat('/proc/self/ns/pid').st_ino}"
 
 

@@ -66,7 +66,7 @@ def verdict(looks: Iterator[bool], first: int, reaper: bool) -> str | None:
 
 
 def kill(first: int, uid: int | None, reaper: bool) -> None:
-    """Stop the run writing: every process of it but a reaper `first`, which envs/sandbox.py ends
+    """Kill every process of the run but a reaper `first`, which envs/sandbox.py ends
     (killed now, it would hand what is left to init)."""
     confine.kill_until_gone(first, uid, time.monotonic() + 1)
     if not reaper:
@@ -93,9 +93,7 @@ def main() -> None:
                     owner = None if int(uid) < 0 else int(uid)
                     looks = over_the_cap(run_dir, int(first), owner)
                     watches[run_id] = (looks, int(first), owner, reaper == "1", run_dir)
-                elif (
-                    words[0] == "stop"
-                ):  # answered after any kill report of the run: one pipe keeps the order
+                elif words[0] == "stop":  # answered after the run's kill report: one pipe keeps the order
                     watches.pop(words[1], None)
                     os.write(1, f"stopped {words[1]}\n".encode())
         for run_id, (looks, first, uid, reaper, run_dir) in list(watches.items()):
