@@ -75,6 +75,7 @@ def drop_privileges(uid: int | None) -> None:
 def run_code(req: dict, out_fd: int) -> None:
     """B: never returns."""
     code = 1
+    atexit._clear()  # the server's callbacks, not the code's: never run here
     try:
         # A session of its own: in A's process group, kill(0, sig) reached A (outside our pid namespace,
         # and of our uid where there is no drawn one), which keeps the deadline.
@@ -99,7 +100,6 @@ def run_code(req: dict, out_fd: int) -> None:
         main.__file__ = "/sandbox/main.py"  # as `python main.py` has it (and its tracebacks say)
         sys.modules["__main__"] = main
         source = open("main.py", encoding="utf-8", errors="replace").read()
-        atexit._clear()  # the server's, not the code's
         code = 0
         exec(compile(source, main.__file__, "exec"), main.__dict__)
     except SystemExit as e:
