@@ -30,10 +30,12 @@ def episode_maker(name: str, sandbox_workers: int, unsafe_sandbox: bool, rank: i
     if not _runs_tools(env):
         return env.make_episode, {}
     from envs.confine import landlock_description
-    from envs.sandbox import isolation_gaps, isolation_mode
+    from envs.sandbox import forks_refused, isolation_gaps, isolation_mode
 
     if rank == 0:  # Landlock is what confines the files in mode seccomp: say what of it applies
         landlock = f"; {landlock_description()}" if isolation_mode() == "seccomp" else ""
+        if forks_refused():
+            landlock += "; the code may start no process or thread (uid 0 and no pids cgroup to bound them)"
         print(f"sandbox isolation: {isolation_mode()}{landlock}", flush=True)
     if isolation_gaps() and not unsafe_sandbox:
         sys.exit(

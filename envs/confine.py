@@ -12,8 +12,11 @@ inherited by every descendant and cannot be lifted.
   server; socketpair() still works), ptrace and cross-process memory access fail, signals go only to
   the caller's own process group (kill(0, sig)), a file's owner cannot be set (below); io_uring and
   bpf, which could do the same by another door, fail. With `no_fork` (uid 0 where no pids cgroup can
-  be made: nothing else would bound a fork bomb), fork, vfork and clone without CLONE_THREAD fail
-  too: threads yes, new processes no.
+  be made: nothing else would bound a fork bomb), fork, vfork and clone fail too: no new process and
+  no thread. Nothing else would bound threads either (uid 0 is exempt from RLIMIT_NPROC): with
+  threads allowed, 11,000 were started in 3 s, a third of this machine's pid_max, and a watcher that
+  killed the run past 256 was too late under load (600 of 600 started). Python says "can't start new
+  thread"; numpy runs single-threaded there anyway (OPENBLAS_NUM_THREADS=1).
 - Landlock (kernel >= 5.13, plain syscalls), best effort as the kernel's documentation describes: the
   rights of the ABI the kernel reports (`landlock_rights`), and a ruleset it refuses retried with those
   of the ABI before (`landlock_ruleset_rights`). Reads and exec only below the given read-only paths,
@@ -157,9 +160,6 @@ def landlock_description() -> str:
     return f"Landlock ABI {abi}{retried}: " + ", ".join(parts)
 
 
-_CLONE_THREAD = 0x00010000
-
-
 @functools.cache
 def seccomp_filter(no_fork: bool = False):
     """The filter `confine` loads (built once, in the parent: only seccomp_load runs after fork);
@@ -184,7 +184,7 @@ def seccomp_filter(no_fork: bool = False):
             for v in values:
                 f.add_rule(sc.ERRNO(errno.EPERM), name, sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, v))
         if no_fork:
-            f.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, _CLONE_THREAD, 0))
+            f.add_rule(sc.ERRNO(errno.EPERM), "clone")  # threads too: see the module docstring
             f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")  # flags in memory: glibc falls back to clone
         return f
     except (ImportError, OSError, RuntimeError):
@@ -290,10 +290,6 @@ MEMORY_LIMIT_BYTES = 2 * 1024**3  # RLIMIT_AS: address space, generous for numpy
 MAX_FILE_BYTES = 16 * 1024**2  # RLIMIT_FSIZE: largest file the code may write
 MAX_OPEN_FILES = 128  # RLIMIT_NOFILE
 MAX_PIDS = 512  # pids.max: processes and threads of all live runs and the fork server together
-# Threads of a run that may not fork (`seccomp_filter(no_fork)`: uid 0, no pids cgroup), where nothing
-# else bounds them (11,000 in 3 s were seen, a third of this machine's pid_max): the disk watcher
-# (envs/diskwatch.py) kills the run past it, a poll late; half MAX_PIDS leaves that poll its room.
-MAX_RUN_THREADS = MAX_PIDS // 2
 # The disk a run may fill: the size of the namespace modes' tmpfs at /sandbox (and of their /tmp and
 # /dev/shm, each its own; envs/forkserver.py's too); elsewhere what `dir_bytes` and `deleted_bytes` may
 # find (the watcher in envs/sandbox.py kills the run past it): RLIMIT_FSIZE bounds each file, not how many.
@@ -611,15 +607,6 @@ def _stat(pid: int) -> list[str]:
     the code's to choose, ")" included."""
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()
-
-
-def thread_count(pid: int) -> int | None:
-    """How many threads process `pid` has; None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next((int(line.split()[1]) for line in f if line.startswith("Threads:")), None)
-    except (OSError, ValueError):
-        return None
 
 
 def _namespace_pid(pid: int) -> int | None:

@@ -12,10 +12,8 @@ three, runs wrote 0.6-1.2 GiB past the 64 MiB cap and took 3-7 s to be killed
 Lines on stdin: "watch ID FIRST UID REAPER RUN_DIR" (UID -1: no drawn uid; REAPER 1: FIRST is
 `_REAPER`, killed by envs/sandbox.py, last), written by the run's first process before it execs;
 "stop ID". On stdout: "ready" once; "full ID" for a run found over the cap (or whose holdings cannot
-be told), once it is killed; "threads ID" for one killed with more than confine.MAX_RUN_THREADS
-threads in its first process, where that is the code (no reaper: a run that may not fork, which
-nothing else bounds); "stopped ID", the answer to "stop". A run whose dir and first process are
-both gone is dropped unasked. Ends with its stdin or its parent.
+be told), once it is killed; "stopped ID", the answer to "stop". A run whose dir and first process
+are both gone is dropped unasked. Ends with its stdin or its parent.
 """
 
 import os
@@ -56,17 +54,8 @@ def over_the_cap(run_dir: str, first: int, uid: int | None) -> Iterator[bool]:
         yield held is None or held > confine.MAX_DIR_BYTES
 
 
-def verdict(looks: Iterator[bool], first: int, reaper: bool) -> str | None:
-    """This look's reason to kill the run, "full" or "threads" (see the module docstring), or None."""
-    if next(looks):
-        return "full"
-    if not reaper and (confine.thread_count(first) or 0) > confine.MAX_RUN_THREADS:
-        return "threads"
-    return None
-
-
 def kill(first: int, uid: int | None, reaper: bool) -> None:
-    """Kill every process of the run but a reaper `first`, which envs/sandbox.py ends
+    """Stop the run writing: every process of it but a reaper `first`, which envs/sandbox.py ends
     (killed now, it would hand what is left to init)."""
     confine.kill_until_gone(first, uid, time.monotonic() + 1)
     if not reaper:
@@ -93,13 +82,13 @@ def main() -> None:
                     owner = None if int(uid) < 0 else int(uid)
                     looks = over_the_cap(run_dir, int(first), owner)
                     watches[run_id] = (looks, int(first), owner, reaper == "1", run_dir)
-                elif words[0] == "stop":  # answered after the run's kill report: one pipe keeps the order
+                elif words[0] == "stop":  # answered after any "full" of the run: one pipe keeps the order
                     watches.pop(words[1], None)
                     os.write(1, f"stopped {words[1]}\n".encode())
         for run_id, (looks, first, uid, reaper, run_dir) in list(watches.items()):
             if not os.path.isdir(run_dir) and not os.path.exists(f"/proc/{first}"):
                 del watches[run_id]  # the run is over, its dir removed, yet its "stop" never came
-            elif why := verdict(looks, first, reaper):
+            elif next(looks):
                 kill(first, uid, reaper)
                 del watches[run_id]
-                os.write(1, f"{why} {run_id}\n".encode())
+                os.write(1, f"full {run_id}\n".encode())

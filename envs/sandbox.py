@@ -234,9 +234,15 @@ def _draws_uid(mode: str) -> bool:
 def _unbounded(mode: str, budget: int) -> bool:
     """Would nothing bound a fork bomb? The code runs as uid 0 (capability-less root in mode seccomp),
     which RLIMIT_NPROC exempts, and no pids cgroup can be made (a read-only /sys/fs/cgroup, as in a
-    default Docker container): then seccomp refuses it new processes (`confine.seccomp_filter`)."""
+    default Docker container): then seccomp refuses it new processes and threads
+    (`confine.seccomp_filter`)."""
     root = mode == "seccomp" and os.geteuid() == 0 and not _draws_uid(mode)
     return root and confine.pids_cgroup(budget) is None
+
+
+def forks_refused() -> bool:
+    """Is the code refused every new process and thread here (`_unbounded`)? Said at start-up."""
+    return _unbounded(isolation_mode(), MEMORY_BUDGET_BYTES)
 
 
 def _maps_ids(mode: str) -> bool:
@@ -629,12 +635,15 @@ async def run_python(
             _DISK_WATCHER.killed(watch[0], functools.partial(_call_soon, loop, _settle, answer))
             watch = None
             try:
-                killed = "full" if gone in done else await asyncio.wait_for(answer, 10)
+                killed = gone in done or await asyncio.wait_for(answer, 10)
             except TimeoutError:  # a watcher that slow: no verdict
-                killed = None
+                killed = False
             if killed:
                 status = 128 + signal.SIGKILL if status is None else status  # what the reaper would say
-                error = _WATCHER_KILLS[killed]
+                error = (
+                    f"wrote more than {confine.MAX_DIR_BYTES >> 20} MiB (or {confine.MAX_DIR_ENTRIES} files) "
+                    "to disk, or what it holds could not be told: killed (the sandbox's disk cap)"
+                )
         await _end_run(proc, owner, ours if reaper else None, namespaces)
         try:
             head, tail, total = await asyncio.wait_for(drain, 2.0)
@@ -681,15 +690,14 @@ async def run_python(
 
 class _DiskWatcher:
     """Our end of envs/diskwatch.py's process, one per trainer process (started by the first run that
-    needs it): the run dirs of modes seccomp and none are measured, and a run past the cap killed (or
-    one that may not fork past confine.MAX_RUN_THREADS threads), there, not in a thread beside the
-    trainer's, whose GIL made one look take up to a second (see that module). A run's first process
-    enlists itself before it execs (`_preexec`), so the code cannot write a byte unwatched, however
-    late our own threads run; `killed` ends the watch and answers why the watcher killed the run, if
-    it did. Should the process die, the runs it watched are told (then killed as if over the cap: what
-    they hold can no longer be told); the next run starts another. A thread of ours reads its reports
-    and hands them on through the callbacks given, which must be safe to call from any thread
-    (`_call_soon`)."""
+    needs it): the run dirs of modes seccomp and none are measured, and a run past the cap killed,
+    there, not in a thread beside the trainer's, whose GIL made one look take up to a second (see that
+    module). A run's first process enlists itself before it execs (`_preexec`), so the code cannot
+    write a byte unwatched, however late our own threads run; `killed` ends the watch and answers
+    whether the watcher killed the run. Should the process die, the runs it watched are told (then
+    killed as if over the cap: what they hold can no longer be told); the next run starts another.
+    A thread of ours reads its reports and hands them on through the callbacks given, which must be
+    safe to call from any thread (`_call_soon`)."""
 
     def __init__(self) -> None:
         self._forget()
@@ -702,8 +710,8 @@ class _DiskWatcher:
         self._proc: subprocess.Popen | None = None
         self._ids = itertools.count()
         self._on_gone: dict[str, tuple[subprocess.Popen, Callable[[], None]]] = {}  # runs watched
-        self._asked: dict[str, tuple[subprocess.Popen, Callable[[str | None], None]]] = {}  # unanswered
-        self._killed: dict[str, str] = {}  # run reported killed -> "full" or "threads", until asked
+        self._asked: dict[str, tuple[subprocess.Popen, Callable[[bool], None]]] = {}  # `killed`, unanswered
+        self._killed: set[str] = set()  # runs reported killed, until asked
 
     def start(self, on_gone: Callable[[], None]) -> tuple[str, int]:
         """A run's id and the fd its first process writes "watch ID PID ..." to; `on_gone` is called
@@ -732,16 +740,17 @@ class _DiskWatcher:
         return proc
 
     def _read(self, proc: subprocess.Popen) -> None:
-        for line in proc.stdout:  # "full ID", "threads ID" (killed), "stopped ID" (the answer to `killed`)
+        for line in proc.stdout:  # "full ID" (killed), "stopped ID" (the answer to `killed`)
             kind, run_id = line.decode().split()
             with self._lock:
-                if kind != "stopped":
-                    self._killed[run_id] = kind
+                if kind == "full":
+                    self._killed.add(run_id)
                     continue
                 _, on_answer = self._asked.pop(run_id, (None, None))
-                why = self._killed.pop(run_id, None)
+                was_killed = run_id in self._killed
+                self._killed.discard(run_id)
             if on_answer is not None:
-                on_answer(why)
+                on_answer(was_killed)
         with self._lock:
             proc.wait()  # its returncode marks it dead for `_running`
             gone = [self._on_gone.pop(i)[1] for i, (p, _) in list(self._on_gone.items()) if p is proc]
@@ -749,11 +758,11 @@ class _DiskWatcher:
         for on_gone in gone:
             on_gone()
         for on_answer in unanswered:  # what it watched went unwatched: as if over the cap
-            on_answer("full")
+            on_answer(True)
 
-    def killed(self, run_id: str, on_answer: Callable[[str | None], None]) -> None:
-        """Stop watching run `run_id`; `on_answer(why the watcher killed it: a key of _WATCHER_KILLS, or
-        None)` follows every report of the run (one pipe keeps their order)."""
+    def killed(self, run_id: str, on_answer: Callable[[bool], None]) -> None:
+        """Stop watching run `run_id`; `on_answer(did the watcher kill it)` follows every report of the
+        run (one pipe keeps their order)."""
         with self._lock:
             proc, _ = self._on_gone.pop(run_id, (None, None))
             if proc is not None:
@@ -761,15 +770,10 @@ class _DiskWatcher:
                 with contextlib.suppress(OSError):  # dead meanwhile: `_read` answers
                     os.write(proc.stdin.fileno(), f"stop {run_id}\n".encode())
                 return
-        on_answer("full")  # its watcher died under it: what it holds cannot be told
+        on_answer(True)  # its watcher died under it
 
 
 _DISK_WATCHER = _DiskWatcher()
-_WATCHER_KILLS = {  # the error of a run the watcher killed, by its report
-    "full": f"wrote more than {confine.MAX_DIR_BYTES >> 20} MiB (or {confine.MAX_DIR_ENTRIES} files) "
-    "to disk, or what it holds could not be told: killed (the sandbox's disk cap)",
-    "threads": f"started more than {confine.MAX_RUN_THREADS} threads: killed (the sandbox's thread limit)",
-}
 
 
 def _settle(future: asyncio.Future, value) -> None:

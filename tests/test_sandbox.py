@@ -1063,12 +1063,25 @@ def attack_suite(port: int) -> dict:
         "detached": detached,
         "cancels_left": cancels_left,
         "landlock": landlock_description(),
+        "startup": startup_line(),
         "outputs": outputs,
         "bombs": bombs,
         "pids_cgroup": pids_cgroup(MEMORY_BUDGET_BYTES),
         "run_dirs_left": run_dirs_left,
         "cpus": cpus,
     }
+
+
+def startup_line() -> str:
+    """What the trainer says of the sandbox as it starts (`envs.episode_maker`)."""
+    import io
+
+    import envs
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        envs.episode_maker("retool", 1, unsafe_sandbox=True)
+    return printed.getvalue()
 
 
 def check_attacks(report: dict, listener: socket.socket) -> None:
@@ -1126,8 +1139,8 @@ def check_attacks(report: dict, listener: socket.socket) -> None:
         assert bomb["left"] == [], (path, bomb)
         # The most any limit allows: the pids cgroup (RLIMIT_NPROC is lower where it binds).
         assert int(bomb["processes"].split()[0]) <= MAX_PIDS, (path, bomb)
-        # Threads too, where nothing but the disk watcher bounds them (uid 0 that may not fork): it
-        # kills the run past confine.MAX_RUN_THREADS, a poll late (600, the cap, before it).
+        # Threads too: where uid 0 may not fork, seccomp refuses threads as well (600, the cap, before;
+        # a watcher killing the run past 256 let 600 start under CI's load).
         assert int(bomb["threads"].split()[0]) <= MAX_PIDS, (path, bomb)
 
 
@@ -1250,6 +1263,9 @@ def test_attacks_in_every_mode(name, checkout, checkouts, listener):
         assert report["landlock"].startswith(f"Landlock ABI {abi}: "), report["landlock"]
     if not cgroups:
         assert not report["pids_cgroup"], "the child could make a pids cgroup"
+    # Where the code may start no process or thread (uid 0 and nothing to bound them), the trainer says so.
+    refused = expected_mode == "seccomp" and not cgroups and not expose
+    assert ("the code may start no process or thread" in report["startup"]) == refused, report["startup"]
     check_attacks(report, listener)
 
 
