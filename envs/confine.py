@@ -342,8 +342,9 @@ def _sandbox_cgroup(controller: str, budget_bytes: int, cpus: str = "") -> tuple
         if found is None:
             return None
         parent, version = found
+        namespace = pid_namespace()
         for old in glob.glob(os.path.join(parent, "sandbox-*-*")):
-            if left_by_a_dead_process(os.path.basename(old)):
+            if left_by_a_dead_process(os.path.basename(old), namespace):
                 try:
                     os.rmdir(old)  # a cgroup with no process left goes with rmdir, its files and all
                 except OSError:
@@ -644,9 +645,15 @@ def remove_run_dirs_of_dead_processes() -> None:
     """Each run removes its own dir, but a SIGKILLed trainer leaves those of its live runs (the runs
     die with it, by PR_SET_PDEATHSIG; nobody is left to clean up). Run dirs are named after the process
     that made them (`owner_tag`), and the first run of every process removes those of dead ones."""
+    namespace = pid_namespace()
     for path in glob.glob(os.path.join(tempfile.gettempdir(), "sandbox-*-*")):
-        if left_by_a_dead_process(os.path.basename(path)):
+        if left_by_a_dead_process(os.path.basename(path), namespace):
             remove_tree(path)
+
+
+def pid_namespace() -> int:
+    """The id of our pid namespace (the inode of /proc/self/ns/pid)."""
+    return os.stat("/proc/self/ns/pid").st_ino
 
 
 def owner_tag() -> str:
@@ -654,13 +661,14 @@ def owner_tag() -> str:
     pid namespace. A pid alone did not tell the dead: a process in a pid namespace of its own (an
     `unshare --pid` shell, a container sharing /tmp or the cgroup tree) could not see ours, and
     removed the dirs of our runs in progress and our cgroups, which our next run then failed to join."""
-    return f"{os.getpid()}-{os.stat('/proc/self/ns/pid').st_ino}"
+    return f"{os.getpid()}-{pid_namespace()}"
 
 
-def left_by_a_dead_process(name: str) -> bool:
-    """Is `name` ("sandbox-{owner_tag}-...") that of a process of our pid namespace that is gone?"""
+def left_by_a_dead_process(name: str, namespace: int) -> bool:
+    """Is `name` ("sandbox-{owner_tag}-...") that of a process of our pid namespace (`namespace`, read
+    once by the caller's loop) that is gone?"""
     parts = name.split("-")
-    if len(parts) < 4 or not parts[1].isdigit() or parts[2] != str(os.stat("/proc/self/ns/pid").st_ino):
+    if len(parts) < 4 or not parts[1].isdigit() or parts[2] != str(namespace):
         return False
     pid = parts[1]
     try:

@@ -558,7 +558,7 @@ def test_run_dirs_of_a_killed_process_are_removed_by_the_next_process(next_path)
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # its pid is now free: a SIGKILLed trainer's run dir looks like this one
-    namespace = os.stat("/proc/self/ns/pid").st_ino
+    namespace = confine.pid_namespace()
     orphan = tempfile.mkdtemp(prefix=f"sandbox-{dead.pid}-{namespace}-")
     open(os.path.join(orphan, "main.py"), "w").close()
     live = tempfile.mkdtemp(prefix=f"sandbox-{confine.owner_tag()}-")  # a live process's run in progress
@@ -661,7 +661,7 @@ COUNT_FORKS = (
     "    if pid == 0: os.close(1); os.close(2); time.sleep(60); os._exit(0)\n    n += 1\nprint(n)"
 ).replace("FORK_CAP", str(FORK_CAP))
 # How many threads the code can have at once: daemon threads that sleep, started until that fails, or
-# FORK_CAP; each count printed as it is reached (the run may be killed at its limit, not refused).
+# FORK_CAP; each count printed as it is reached (where nothing bounds threads, seccomp refuses them).
 COUNT_THREADS = (
     "import threading, time\nthreading.stack_size(65536)\nn = 0\nwhile n < FORK_CAP:\n"
     "    try: threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
