@@ -590,13 +590,14 @@ def deleted_bytes(first: int, uid: int | None) -> int | None:
         except (FileNotFoundError, ProcessLookupError):  # exited meanwhile
             continue
         except OSError:
-            if _exiting(pid):  # a process on its way out refuses these reads, and holds nothing for long
+            if exiting(pid):  # a process on its way out refuses these reads, and holds nothing for long
                 continue
             return None
     return sum(sizes.values())
 
 
-def _exiting(pid: int) -> bool:
+def exiting(pid: int) -> bool:
+    """Has `pid` exited (a zombie, on its way out, or gone)?"""
     try:
         return _stat(pid)[0] in "ZXx"
     except (OSError, IndexError):

@@ -515,19 +515,28 @@ async def _kill_until_gone(
     return left
 
 
-def _end_run_off_loop(proc: asyncio.subprocess.Process, uid: int | None, reaper: bool) -> None:
+def _end_run_off_loop(
+    proc: asyncio.subprocess.Process, uid: int | None, reaper: bool, namespaces: bool
+) -> None:
     """`_end_run` where no event loop is left to wait on: kill every process of the run, the first
-    last where it is a reaper. Reaped by asyncio's child watcher thread (or, the reaper gone, init)."""
-    if not reaper:
+    last where it is a reaper or, in the `namespaces` modes, `unshare`, which then exits with the
+    namespace's pid 1 and reaps it (killed first, it left that pid 1 to init: a zombie for good where
+    the trainer is pid 1). Reaped by asyncio's child watcher thread (or, the reaper gone, init)."""
+    deadline = time.monotonic() + 5
+    if not reaper and not namespaces:
         _signal_kill(proc)
-    confine.kill_until_gone(proc.pid, uid, time.monotonic() + 5)
+    confine.kill_until_gone(proc.pid, uid, deadline, spare_init=namespaces)
+    while namespaces and not confine.exiting(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.005)
     _signal_kill(proc)
 
 
 CLOCK_GRACE_S = 5.0  # how long past its timeout a cold run's loop has to end it before `_watch_clock` does
 
 
-def _watch_clock(proc, uid: int | None, reaper: bool, base: str, timeout_s: float, stopped, fired) -> None:
+def _watch_clock(
+    proc, uid: int | None, reaper: bool, namespaces: bool, base: str, timeout_s: float, stopped, fired
+) -> None:
     """A cold run's wall clock, kept off the event loop too, in a thread of its own until `stopped`: a
     loop closed (or never run again) with the call pending would never end the run, whose code then
     ran until our process exited. Past `timeout_s` + CLOCK_GRACE_S the run is killed and its dir
@@ -535,7 +544,7 @@ def _watch_clock(proc, uid: int | None, reaper: bool, base: str, timeout_s: floa
     if stopped.wait(timeout_s + CLOCK_GRACE_S) or proc.returncode is not None:
         return
     fired.set()
-    _end_run_off_loop(proc, uid, reaper)
+    _end_run_off_loop(proc, uid, reaper, namespaces)
     confine.remove_tree(base)
 
 
@@ -611,7 +620,7 @@ async def run_python(
         # is then ended below as any cancelled run is. asyncio.run's end cancels `spawn` itself too:
         # then what is left is found from the first process's pid (`_started_pid`).
         proc = await asyncio.shield(spawn)
-        args = (proc, owner, reaper, base, timeout_s, stopped, clock_fired)
+        args = (proc, owner, reaper, namespaces, base, timeout_s, stopped, clock_fired)
         threading.Thread(target=_watch_clock, args=args, daemon=True, name="sandbox-clock").start()
         if _maps_ids(mode):
             await asyncio.to_thread(_map_ids, proc.pid, ours)
@@ -663,7 +672,7 @@ async def run_python(
         closed = closed or not _running_on(loop)
         if closed:
             if proc is not None and proc.returncode is None:
-                _end_run_off_loop(proc, owner, reaper)
+                _end_run_off_loop(proc, owner, reaper, namespaces)
         elif proc is None:  # cancelled while it started
             with contextlib.suppress(OSError, subprocess.SubprocessError, asyncio.CancelledError):
                 proc = await spawn

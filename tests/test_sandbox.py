@@ -436,6 +436,64 @@ def test_a_cold_call_whose_loop_closes_under_it_ends_at_its_timeout(temp_dirs_be
         gc.collect()
 
 
+PID_1_CLOSED_LOOP = """
+import asyncio, json, os, sys, time
+from envs import sandbox
+sandbox.isolation_mode = lambda: sys.argv[1]
+
+def processes():  # pid -> (name, state, parent pid)
+    table = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read()
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        table[int(pid)] = (stat[stat.index("(") + 1 : stat.rindex(")")], state, int(ppid))
+    return table
+
+def code_alive():
+    return any(name == sys.argv[2] and state != "Z" for name, state, _ in processes().values())
+
+loop = asyncio.new_event_loop()
+call = loop.create_task(sandbox.run_python(sys.argv[3], timeout_s=1))
+deadline = time.monotonic() + 60
+while not code_alive() and time.monotonic() < deadline:
+    loop.run_until_complete(asyncio.sleep(0.02))
+first = [pid for pid, (name, _, ppid) in processes().items() if name == "unshare" and ppid == 1]
+loop.close()  # the call still pending: its clock thread ends the run
+deadline = time.monotonic() + 20
+while code_alive() and time.monotonic() < deadline:
+    time.sleep(0.05)
+killed = not code_alive()
+time.sleep(1)  # what its end left to us has exited by now
+left = [n for pid, (n, state, ppid) in processes().items() if (ppid, state) == (1, "Z") and pid not in first]
+print(json.dumps([os.getpid(), len(first), killed, left]))
+"""
+
+
+@needs_ns
+@pytest.mark.parametrize("mode", ["root-ns", "user-ns"])
+def test_a_cold_call_whose_loop_closes_under_it_leaves_no_zombie_to_a_trainer_that_is_pid_1(mode):
+    """The closed-loop end (`_end_run_off_loop`) as `_end_run`: the code's processes first, `unshare`
+    last. It killed `unshare` first, which left the namespace's pid 1 to the trainer; as a container's
+    pid 1 the trainer reaps nothing, so each such run left a zombie for good."""
+    import json
+    import subprocess
+
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare to make the trainer pid 1 of a pid namespace")
+    name = "sbx-pid1-closed"
+    argv = ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", PID_1_CLOSED_LOOP]
+    argv += [mode, name, "import os\nos.fork()\n" + _sleeper(name)]  # the prologue's shell stays pid 1
+    env = {**os.environ, "PYTHONPATH": REPO}
+    p = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    pid, runs, killed, zombies = json.loads(p.stdout.splitlines()[-1])
+    assert (pid, runs, killed) == (1, 1, True)
+    assert zombies == [], f"the run left {zombies} to the trainer (pid 1), unreaped"
+
+
 @needs_ns
 def test_a_warm_call_cancelled_as_it_starts_is_killed():
     """A warm call cancelled as soon as it has sent its request (a rollout's sibling failing, a loop
