@@ -5,6 +5,8 @@ before rollouts begin; not on resume), every --eval-every steps and at the last 
 """
 
 import asyncio
+import math
+import sys
 
 from rollout import RolloutContext, VLLMClient, tool_loop_rollout
 from sampling import Sampling
@@ -41,12 +43,17 @@ async def evaluate(
     finally:
         await client.close()
     ok = [r for r in results if not isinstance(r, BaseException)]
-    if not ok:
-        return {"eval/accuracy": float("nan"), "eval/tool_call_rate": float("nan"), "eval/failed": len(rows)}
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:  # left out of the means and counted; named here, as the rollout worker names a failed group
+        why = f"{type(errors[0]).__name__}: {errors[0]}"
+        print(
+            f"eval: {len(errors)} of {len(rows)} rows failed, the first: {why}", file=sys.stderr, flush=True
+        )
+    scored = len(ok) or math.nan  # no row scored: every mean is NaN, with the same keys
     return {
-        "eval/accuracy": sum(r >= 1.0 for r, _, _ in ok) / len(ok),
-        "eval/tool_call_rate": sum(n > 0 for _, n, _ in ok) / len(ok),
-        "eval/tool_calls_per_completion": sum(n for _, n, _ in ok) / len(ok),
+        "eval/accuracy": sum(r >= 1.0 for r, _, _ in ok) / scored,
+        "eval/tool_call_rate": sum(n > 0 for _, n, _ in ok) / scored,
+        "eval/tool_calls_per_completion": sum(n for _, n, _ in ok) / scored,
         "eval/failed": float(len(rows) - len(ok)),
         "eval/reward_timeouts": float(sum(t for _, _, t in ok)),
     }

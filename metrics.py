@@ -74,7 +74,10 @@ LAG_BUCKETS = 4  # token-lag histogram: rollout/token_lag_0 .. _3, then rollout/
 def rollout_metrics(
     groups, dropped: int, skipped: int, taken=None, version: int | None = None
 ) -> dict[str, float]:
-    rewards = [r for g in groups for r in g.rewards]
+    """A step's rollout/ keys. Rewards and accuracy are those of every group sampled (`taken`, where
+    given): of the trained groups alone they left out the equal-reward groups the loss skips, all
+    solved or all failed, so a policy that solved more read no better. The rest is of the trained groups."""
+    rewards = [r for g in (groups if taken is None else taken) for r in g.rewards]
     advs = [a for g in groups for a in g.advantages]
     comps = [c for g in groups for c in g.completions]
     t = torch.tensor(rewards)

@@ -6,6 +6,7 @@ python scripts/plot_metrics.py runs/latest/metrics.jsonl --out runs/latest/plots
 import argparse
 import json
 import math
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -20,25 +21,46 @@ parser.add_argument("--out", default=None, help="output directory (default: plot
 parser.add_argument("--keys", nargs="*", default=None, help="only these keys (default: every numeric key)")
 
 
-def load(path: str) -> dict[str, list[tuple[int, float]]]:
-    """key -> [(step, value)]; a resumed run's repeated steps keep the last value written."""
-    series: dict[str, dict[int, float]] = defaultdict(dict)
-    with open(path) as f:
-        for line in f:
-            if not line.strip():
-                continue
+def read_jsonl(path: Path) -> tuple[list[dict], int]:
+    """The JSON objects with a "step" of a .jsonl file, and the number of lines that were not (a killed
+    trainer can leave a cut last line, in completions.jsonl and in metrics.jsonl)."""
+    rows, bad = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
             row = json.loads(line)
-            for k, v in row.items():
-                if k != "step" and isinstance(v, int | float) and math.isfinite(v):
-                    series[k][row["step"]] = float(v)
-    return {k: sorted(v.items()) for k, v in series.items()}
+        except json.JSONDecodeError:
+            bad += 1
+            continue
+        if isinstance(row, dict) and "step" in row:
+            rows.append(row)
+        else:
+            bad += 1
+    return rows, bad
+
+
+def load(path: Path) -> tuple[dict[str, list[tuple[int, float]]], int]:
+    """key -> [(step, value)] (a resumed run's repeated steps keep the last value written), and the
+    number of lines that were not JSON rows."""
+    series: dict[str, dict[int, float]] = defaultdict(dict)
+    rows, bad = read_jsonl(path)
+    for row in rows:
+        for k, v in row.items():
+            if k != "step" and isinstance(v, int | float) and math.isfinite(v):
+                series[k][row["step"]] = float(v)
+    return {k: sorted(v.items()) for k, v in series.items()}, bad
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
     args = parser.parse_args(argv)
     out = Path(args.out) if args.out else Path(args.metrics).parent / "plots"
     out.mkdir(parents=True, exist_ok=True)
-    series = load(args.metrics)
+    series, bad = load(Path(args.metrics))
+    if bad:
+        print(
+            f"plot_metrics: skipped {bad} line(s) of {args.metrics} that are not JSON rows", file=sys.stderr
+        )
     keys = [k for k in series if args.keys is None or k in args.keys]
     by_prefix: dict[str, list[str]] = defaultdict(list)
     for k in keys:

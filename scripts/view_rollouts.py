@@ -26,13 +26,13 @@ import argparse
 import base64
 import hashlib
 import html
-import json
 import sys
 from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plot_metrics import load as load_metrics  # noqa: E402
+from plot_metrics import read_jsonl  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("run_dir", help="a training run's --output-dir (holds completions.jsonl)")
@@ -54,23 +54,10 @@ def bucket(x: float, edges: tuple[float, ...]) -> int:
 
 
 def load_rows(path: Path) -> tuple[list[dict], int]:
-    """Rows of completions.jsonl and the number of lines that were not JSON objects (a killed trainer
-    can leave a cut last line). A resumed run writes the steps after its checkpoint again: each step's
-    rows are those of the last process that wrote it (their `writer`), as plot_metrics keeps a step's
-    last metrics line."""
-    rows, bad = [], 0
-    for line in path.read_text(errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            bad += 1
-            continue
-        if isinstance(row, dict) and "step" in row:
-            rows.append(row)
-        else:
-            bad += 1
+    """Rows of completions.jsonl and the number of lines that were not JSON rows. A resumed run writes
+    the steps after its checkpoint again: each step's rows are those of the last process that wrote it
+    (their `writer`), as load_metrics keeps a step's last metrics line."""
+    rows, bad = read_jsonl(path)
     last = {r["step"]: r.get("writer") for r in rows}
     return [r for r in rows if r.get("writer") == last[r["step"]]], bad
 
@@ -437,17 +424,19 @@ def main(argv: list[str] | None = None) -> Path:
             "(it writes completions.jsonl every --log-completions-every steps)"
         )
     rows, bad = load_rows(path)
-    if bad:
-        print(f"view_rollouts: skipped {bad} line(s) of {path} that are not JSON rows", file=sys.stderr)
+    metrics_path = run_dir / "metrics.jsonl"
+    metrics, bad_metrics = load_metrics(metrics_path) if metrics_path.is_file() else ({}, 0)
+    for n, p in [(bad, path), (bad_metrics, metrics_path)]:
+        if n:
+            print(f"view_rollouts: skipped {n} line(s) of {p} that are not JSON rows", file=sys.stderr)
     steps = sorted({r["step"] for r in rows})
     if args.last > 0:
         keep = set(steps[-args.last :])
         rows = [r for r in rows if r["step"] in keep]
-    metrics_path = run_dir / "metrics.jsonl"
-    metrics = load_metrics(str(metrics_path)) if metrics_path.is_file() else {}
     out = Path(args.out) if args.out else run_dir / "rollouts.html"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_page(run_dir, rows, metrics, len(steps)), encoding="utf-8")
+    # "replace": a lone surrogate (a tool name the model wrote as JSON's "\ud800") becomes "?".
+    out.write_text(render_page(run_dir, rows, metrics, len(steps)), encoding="utf-8", errors="replace")
     print(f"wrote {out} ({len(rows)} completions, {out.stat().st_size / 1e6:.1f} MB)")
     return out
 

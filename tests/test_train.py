@@ -175,6 +175,22 @@ def test_late_groups_are_trained_and_their_token_lags_counted_in_versions():
     assert m["rollout/trained_vs_admitted_len"] == pytest.approx(4 / 16)
 
 
+def test_reward_and_accuracy_are_of_every_group_sampled_not_only_those_trained():
+    """Two solved groups (equal rewards: skipped by the loss) and one half solved: 5 of 6 completions
+    solved. Of the trained group alone the step said 0.5, so a policy that solved more read no better."""
+    solved, half = (
+        _group(0, [(4, 0, 0)] * 2, rewards=(1.0, 1.0)),
+        _group(0, [(4, 0, 0)] * 2, rewards=(1.0, 0.0)),
+    )
+    kept, taken, dropped, skipped, _ = collect_groups(
+        _fake_worker(True, [solved, solved, half]), 1, 0, _args(), [], {"stop": False}
+    )
+    assert kept == [half] and skipped == 2
+    m = rollout_metrics(kept, dropped, skipped, taken, version=0)
+    assert m["rollout/reward_mean"] == pytest.approx(5 / 6) and m["rollout/accuracy"] == pytest.approx(5 / 6)
+    assert m["rollout/reward_min"] == 0.0 and m["rollout/skipped_equal_reward"] == 2
+
+
 def test_row_stream_resumes_where_it_left_off():
     rows = [{"question": str(i)} for i in range(5)]
     full = row_stream(rows, seed=3)

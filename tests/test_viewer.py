@@ -318,3 +318,55 @@ def test_token_pieces_join_to_the_decoded_text_even_cut_inside_a_character(text)
     ids = tokenizer.encode(text, add_special_tokens=False)
     for cut in (ids, ids[:-1]):
         assert "".join(token_pieces(tokenizer, cut)) == tokenizer.decode(cut)
+
+
+def test_a_tool_name_written_as_a_lone_surrogate_still_makes_a_page(tmp_path):
+    """JSON lets the model name its tool "\\ud800", a lone surrogate: the rollout keeps the call (failed,
+    unknown tool) under that name, and the viewer, writing the page as UTF-8, died with a
+    UnicodeEncodeError traceback."""
+    import asyncio
+    import concurrent.futures
+
+    from transformers import AutoTokenizer
+
+    from chat_format import ChatTemplate
+    from metrics import write_completions
+    from records import RolloutCompletion, RolloutGroup, TurnRecord, group_metrics
+    from rollout import run_tool
+
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny-warm")
+    template = ChatTemplate(tokenizer)
+    text = '<tool_call>\n{"name": "\\ud800", "arguments": {}}\n</tool_call>'
+    (name, args, error), *_ = template.parse_tool_calls(text)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the browser tests' sync API holds our loop
+        call = pool.submit(asyncio.run, run_tool({}, name, args, error)).result()
+    assert call.name == "\ud800" and call.failed
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    c = RolloutCompletion(prompt_len=2, prompt_messages=[{"role": "user", "content": "q"}])
+    c.add_turn(TurnRecord(tuple(ids), (-0.1,) * len(ids), "stop", (0, 0)))
+    tool_message = {"role": "tool", "name": call.name, "content": call.result}
+    c.append_context(template.tool_response_ids([tool_message], text), (call,))
+    group = RolloutGroup([], [1, 2], {"_index": 0}, [c, c], [0.0, 0.0], [0.0, 0.0], 0, group_metrics([c, c]))
+    with open(tmp_path / "completions.jsonl", "w") as f:
+        write_completions(f, [group], [(0, 0, 0)], {}, 1, tokenizer, IS_CAP)
+    page = view(tmp_path, tmp_path / "page.html").read_text(encoding="utf-8")
+    assert "tool call: ? (0.00 s, failed)" in page
+
+
+def test_a_cut_metrics_line_is_skipped_with_a_count(tmp_path):
+    """A trainer killed mid-write leaves metrics.jsonl with a cut last line: the page still shows the
+    lines before it, and says on stderr what it skipped (a JSONDecodeError traceback and no page)."""
+    (tmp_path / "completions.jsonl").write_text(json.dumps({"step": 1, "row_index": 0, "reward": 1.0}) + "\n")
+    lines = [json.dumps({"step": s, "rollout/reward_mean": 0.25 * s}) for s in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 3, "rollout/rew')
+    r = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "view_rollouts.py"), str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert (
+        r.stderr.strip()
+        == f"view_rollouts: skipped 1 line(s) of {tmp_path / 'metrics.jsonl'} that are not JSON rows"
+    )
+    page = (tmp_path / "rollouts.html").read_text()
+    assert "last step: reward 0.50" in page and page.count("<polyline") == 1
