@@ -297,11 +297,14 @@ def _preexec(
     if mode in ("seccomp", "none"):
         confine.become_subreaper()  # for `_REAPER`: set before exec, kept across it
     _join(cgroup_procs)
-    for name, limits in confine.rlimits(timeout_s, nproc).items():
-        resource.setrlimit(getattr(resource, name), limits)
     if mode == "seccomp":
         readable = confine.visible_paths()[0] + ["/sys/devices/system/cpu"]
         confine.confine(readable, [run_dir] + [f"/dev/{d}" for d in DEVICES], no_fork)
+    # The rlimits last: until the exec closes them we hold the trainer's descriptors, and under
+    # RLIMIT_NOFILE (128) a new one must be numbered below it: Landlock's ruleset failed with EMFILE in
+    # every run of a process holding 128 descriptors (many connections to the servers).
+    for name, limits in confine.rlimits(timeout_s, nproc).items():
+        resource.setrlimit(getattr(resource, name), limits)
 
 
 def _probe(mode: str) -> bool:
@@ -740,7 +743,9 @@ class _DiskWatcher:
         # A session of its own: a Ctrl-C to the trainer's terminal is not its to print a traceback for.
         argv = [sys.executable, "-I", "-c", source]
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
-        if not select.select([proc.stdout], [], [], 60)[0] or proc.stdout.readline() != b"ready\n":
+        started = select.poll()  # not select.select: it refuses descriptors from 1024 up
+        started.register(proc.stdout, select.POLLIN)
+        if not started.poll(60_000) or proc.stdout.readline() != b"ready\n":
             proc.kill()
             proc.wait()
             raise OSError("the disk watcher (envs/diskwatch.py) did not start")

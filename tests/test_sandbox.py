@@ -133,6 +133,48 @@ def test_a_timed_out_run_reports_the_codes_kill_alone_and_leaves_no_orphan(mode)
     assert orphan is None, f"the run left process {orphan} to the trainer (pid 1) to reap"
 
 
+MANY_FILES_RUN = """
+import asyncio, json, os, resource, sys
+from envs import sandbox
+sandbox.isolation_mode = lambda: sys.argv[1]
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (min(4096, hard), hard))
+held = [os.open(os.devnull, os.O_RDONLY)]
+while held[-1] < 1100:  # the lowest free descriptors are taken: every new one is numbered above 1100
+    held.append(os.open(os.devnull, os.O_RDONLY))
+results = []
+for warm in (False, True):
+    sb = sandbox.Sandbox(1, warm=warm)
+    r = asyncio.run(sb.run("print(6 * 7)", timeout_s=30))
+    results.append([r.output, r.error])
+    sb.close()
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.parametrize("mode", ["root-ns", "user-ns", "seccomp", "none"])
+def test_runs_from_a_process_holding_over_1024_descriptors(mode):
+    """A rollout process with many connections to its servers holds many descriptors. Mode seccomp set
+    RLIMIT_NOFILE (128) before Landlock made its ruleset, whose descriptor then failed with EMFILE:
+    every run of a process holding 128 failed to start; and the disk watcher's start (modes seccomp
+    and none) used select(), which refuses a descriptor from 1024 up."""
+    import json
+    import resource
+    import subprocess
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 1200:
+        pytest.skip("the open-files limit keeps descriptors under 1100")
+    if mode in ("root-ns", "user-ns") and not ISOLATED:
+        pytest.skip(f"isolation mode is {isolation_mode()!r}")
+    if mode == "seccomp" and confine.seccomp_filter() is None:
+        pytest.skip("no libseccomp bindings")
+    env = {**os.environ, "PYTHONPATH": REPO}
+    argv = [sys.executable, "-c", MANY_FILES_RUN, mode]
+    p = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout.splitlines()[-1]) == [["42\n", ""], ["42\n", ""]]
+
+
 def test_fork_bomb_is_contained():
     code = "import os\nwhile True:\n    try: os.fork()\n    except OSError: pass"
     r = run(code, timeout_s=2)
