@@ -1,7 +1,8 @@
 """The checkpoint format: <output_dir>/checkpoints/step_NNNNNN/ holds the model in save_pretrained form
 (with the tokenizer) and trainer_state.pt (optimizer state keyed by parameter name, scheduler, RNG
 states, step, model version, the row stream's position, the run's arguments). The same files whatever
-the number of ranks. Written to a temp dir and renamed, so a kill -9 leaves either the old or the new one.
+the number of ranks. Written to a temp dir and renamed (a step saved again: the old one renamed aside first),
+so a kill -9 leaves the newest step directory whole; the next save removes the temp dirs of killed saves.
 
 Resume loses no row: rows are shuffled with the seed (a new permutation each epoch) and read as one
 endless stream, and the checkpoint stores `dataset_position` (the frontier: just after the highest
@@ -15,7 +16,8 @@ checkpoint appear twice; scripts/plot_metrics.py keeps the last line per step.
 Those indices mean rows only of the same stream: the checkpoint also stores the stream's identity (the
 seed, the row count, a digest of the rows: row_stream.json, read before anything loads), and a resume
 over another seed or dataset stops with one line (`check_row_stream`) instead of silently training
-other rows.
+other rows. So does a LoRA resume over another --model than its adapter's base (`resumed_flags`), and a
+run without --resume whose --output-dir holds another run's checkpoints (`checkpoint_to_resume`).
 """
 
 import hashlib
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -35,6 +38,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from batches import StreamPosition
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (a full disk); its temp dir is removed, the older ones are whole."""
 
 
 def save_checkpoint(
@@ -57,24 +64,41 @@ def save_checkpoint(
         weights, optim = None, get_optimizer_state_dict(model, optimizer)
     if rank != 0:
         return final
+    # Saves killed part-way left their temp dirs, each up to a whole checkpoint: one process (rank 0 of
+    # one run) writes here, so none of them is being written.
+    for stale in final.parent.glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, state_dict=weights)
-    tokenizer.save_pretrained(tmp)
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    torch.save(
-        {"optimizer": optim, "scheduler": scheduler.state_dict(), "rng": rng, **state},
-        tmp / "trainer_state.pt",
-    )
-    if "row_stream" in state:  # read by check_row_stream before the model loads
-        (tmp / "row_stream.json").write_text(json.dumps(state["row_stream"]))
-    if "args" in state:  # read by resumed_flags before the model loads
-        (tmp / "run_args.json").write_text(json.dumps(state["args"], default=str))
-    if final.exists():  # re-saving the same step (e.g. after a resume that trained nothing)
-        shutil.rmtree(final)
+    try:
+        model.save_pretrained(tmp, state_dict=weights)
+        tokenizer.save_pretrained(tmp)
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        torch.save(
+            {"optimizer": optim, "scheduler": scheduler.state_dict(), "rng": rng, **state},
+            tmp / "trainer_state.pt",
+        )
+        if "row_stream" in state:  # read by check_row_stream before the model loads
+            (tmp / "row_stream.json").write_text(json.dumps(state["row_stream"]))
+        if "args" in state:  # read by resumed_flags before the model loads
+            (tmp / "run_args.json").write_text(json.dumps(state["args"], default=str))
+    except (OSError, RuntimeError, SafetensorError) as e:
+        # A full disk: torch says "unexpected pos …" (a RuntimeError), safetensors "I/O error: …", the
+        # rest OSError. Anything else is a bug, and keeps its traceback.
+        shutil.rmtree(tmp, ignore_errors=True)
+        free_gb = shutil.disk_usage(out_dir).free / 2**30
+        raise CheckpointError(
+            f"could not write the checkpoint {final} ({type(e).__name__}: {' '.join(str(e).split())}; "
+            f"{free_gb:.1f} GiB free there): older checkpoints are whole; free space, then --resume"
+        ) from e
+    # Re-saving a step (a run resumed from an older checkpoint): the old one is moved aside whole, then
+    # removed; deleted in place, a kill would leave it half-deleted for a bare --resume to take.
+    old = final.with_name(f".tmp-old-{final.name}-{os.getpid()}")
+    if final.exists():
+        os.replace(final, old)
     os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -113,8 +137,16 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
 
 def checkpoint_to_resume(resume: str | None, out_dir: Path, identity: dict) -> Path | None:
     """--resume: the checkpoint it names, or ("latest") the latest in `out_dir`; None without it.
-    ValueError (one line) when there is none, or its row stream is not `identity` (check_row_stream)."""
+    ValueError (one line) when there is none, or its row stream is not `identity` (check_row_stream),
+    or, without --resume, when `out_dir` holds another run's checkpoints."""
     if resume is None:
+        # A fresh run there would leave that run's later checkpoints beside its own, for a bare --resume
+        # to take (that run's weights and optimizer, whatever --model says), and append to its metrics.
+        if (latest := latest_checkpoint(out_dir)) is not None:
+            raise ValueError(
+                f"--output-dir {out_dir} holds another run's checkpoints (the latest {latest.name}): give "
+                "--resume to continue that run, or choose another --output-dir"
+            )
         return None
     ckpt = latest_checkpoint(out_dir) if resume == "latest" else Path(resume)
     if ckpt is None:
@@ -146,7 +178,8 @@ RESUMED_FLAGS = (
 def resumed_flags(ckpt: Path, args, given: set[str]) -> list[str]:
     """Set on `args` the checkpoint's value of each RESUMED_FLAGS flag not `given` on the command line
     (a resume continues that run: `--resume` alone is enough); returns those set, as '--flag value'.
-    ValueError (one line) for a flag given with another value than the checkpoint's."""
+    ValueError (one line) for a flag given with another value than the checkpoint's, or a LoRA
+    checkpoint resumed over another --model than its base."""
     path = ckpt / "run_args.json"
     if not path.exists():  # a checkpoint from before run_args.json
         return []
@@ -167,7 +200,24 @@ def resumed_flags(ckpt: Path, args, given: set[str]) -> list[str]:
             "optimizer and schedule: leave these flags out (the checkpoint's values are used) or start a "
             "fresh --output-dir"
         )
+    # A LoRA checkpoint holds the adapter alone, trained on its run's --model: over another base of the
+    # same shapes it would load and train on silently.
+    base = saved.get("model")
+    if args.lora_rank and base is not None and _other_model(base, args.model):
+        raise ValueError(
+            f"--resume: {ckpt} holds a LoRA adapter trained on --model {base}, this run gives --model "
+            f"{args.model}: resume with --model {base}, or start a fresh --output-dir"
+        )
     return taken
+
+
+def _other_model(saved: str, given: str) -> bool:
+    """`given` is known to be another model than `saved`: two directories that are not the same one
+    (however spelled), or two hub names that differ (a hub name and a directory may be the same model)."""
+    saved_dir, given_dir = os.path.isdir(saved), os.path.isdir(given)
+    if saved_dir and given_dir:
+        return not os.path.samefile(saved, given)
+    return not saved_dir and not given_dir and saved != given
 
 
 def param_checksum(named_tensors) -> float:

@@ -65,6 +65,18 @@ def make_tracker(report_to: str, out_dir: Path, config: dict):
         return NoTracker()
 
 
+def open_jsonl(path: Path):
+    """`path` opened to append lines to: a killed run may have left its last line cut, and the first
+    line of a resumed run appended to it would be lost with it (a reader skips the joined line)."""
+    f = open(path, "a+b")
+    if f.tell() > 0:
+        f.seek(f.tell() - 1)
+        if f.read(1) != b"\n":
+            f.write(b"\n")
+    f.close()
+    return open(path, "a")
+
+
 # ---------------------------------------------------------------------------------------------------
 # A STEP'S LINE IN metrics.jsonl: its rollout/ and perf/ keys (train/ from train_step, sync/ from the sync)
 # ---------------------------------------------------------------------------------------------------

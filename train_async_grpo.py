@@ -37,7 +37,8 @@ has the depth):
     samples otherwise (docs/fidelity.md).
   - Packing: a micro-batch is one row of concatenated sequences, each attending only to itself (batches.py).
   - Resume (checkpoint.py) loses no row: the checkpoint records the rows admitted and not yet trained, and
-    the resumed worker admits them first; a resume over another seed or dataset is refused.
+    the resumed worker admits them first; a resume over another seed or dataset is refused, and so is a
+    fresh run into another run's --output-dir.
   - Faults: a server that dies or restarts does not stop the run (`heal`); Ctrl-C and SIGTERM stop it
     between steps; it stops (with a checkpoint) only if no batch comes within --batch-timeout.
 """
@@ -70,6 +71,7 @@ from batches import BatchTimeout, StreamPosition, batch_sequences, collect_group
 from chat_format import ChatTemplate
 from checkpoint import (
     RESUMED_FLAGS,
+    CheckpointError,
     checkpoint_to_resume,
     resume_from,
     resumed_flags,
@@ -86,6 +88,7 @@ from metrics import (
     NoTracker,
     make_tracker,
     mark_logged,
+    open_jsonl,
     perf_metrics,
     rollout_counters,
     rollout_metrics,
@@ -399,6 +402,7 @@ def start_rollouts(
         start = {"step": 0, "model_version": run.version} | evaluate_now(run, eval_args)
         run.metrics_file.write(json.dumps(start) + "\n")
         run.metrics_file.flush()
+        run.tracker.log(start, 0)
         print(f"eval at start: {json.dumps(start)}", flush=True)
     run.worker.start()
     return urls, eval_args, fidelity
@@ -528,12 +532,19 @@ def shutdown(run: Run, exc: BaseException | None) -> None:
     # rank 0's next message: Ctrl-C, a batch that never came, a refusal, the non-finite limit (saved
     # already), NonFiniteWeights (raised on every rank; not saved). Anything else may strike mid-step,
     # inside a collective: nothing is saved, no message sent (torchrun ends the other ranks).
+    # A checkpoint that could not be written (a full disk) strikes after the other ranks' part of it.
     between = (KeyboardInterrupt, BatchTimeout, FidelityError, NonFiniteSteps, NonFiniteWeights)
-    between_steps = exc is None or isinstance(exc, (*between, WeightSyncError))
+    between_steps = exc is None or isinstance(exc, (*between, WeightSyncError, CheckpointError))
     if isinstance(exc, BatchTimeout):  # the others are named by main's `except`
         print(f"\nstopping at step {run.step}: {exc}", file=sys.stderr, flush=True)
-    if run.step > run.last_saved and between_steps and not isinstance(exc, NonFiniteWeights):
-        print(f"saved {save(run)}", flush=True)
+    unsaved = False  # the final checkpoint could not be written: the shut-down goes on, then exit 1
+    not_saved = (NonFiniteWeights, CheckpointError)  # nothing to save; a full disk, not tried again
+    if run.step > run.last_saved and between_steps and not isinstance(exc, not_saved):
+        try:
+            print(f"saved {save(run)}", flush=True)
+        except CheckpointError as e:
+            unsaved = True
+            print(f"stopping at step {run.step}: {e}", file=sys.stderr, flush=True)
     if run.world_size > 1 and between_steps:  # the other ranks wait for a message: release them
         broadcast_message({"stop": True}, run.world_size)
     if run.syncer is not None:
@@ -545,16 +556,19 @@ def shutdown(run: Run, exc: BaseException | None) -> None:
     run.completions_file.close()
     if run.world_size > 1:
         dist.destroy_process_group()
+    if unsaved:
+        sys.exit(1)
 
 
 # What ends a run with exit 1, in one line: a refusal at start-up (fidelity, the transfer groups), every
 # server out of step after a sync, the non-finite limit (saved already), weights non-finite after a step
-# (nothing synced or saved).
+# (nothing synced or saved), a checkpoint that could not be written.
 REFUSALS = {
     FidelityError: "refusing to train: {e}",
     WeightSyncError: "weight sync: {e}",
     NonFiniteSteps: "stopping at step {step}: {e}",
     NonFiniteWeights: "stopping at step {step}: {e}; nothing synced or saved",
+    CheckpointError: "stopping at step {step}: {e}",
 }
 
 
@@ -610,16 +624,16 @@ def main(argv: list[str] | None = None) -> None:
         return
     run = Run(
         args, out_dir, model, tokenizer, optimizer, scheduler, world_size, step, version, position, stop_flag,
-        last_saved=step, row_stream=row_stream, metrics_file=open(out_dir / "metrics.jsonl", "a"),
-        completions_file=open(out_dir / "completions.jsonl", "a"), worker=worker,
+        last_saved=step, row_stream=row_stream, metrics_file=open_jsonl(out_dir / "metrics.jsonl"),
+        completions_file=open_jsonl(out_dir / "completions.jsonl"), worker=worker,
     )  # fmt: skip
     refused, exc = False, None  # exc: what ended the run, for shutdown
     try:
         # START ROLLOUTS: servers, weight sync group, fidelity probe, the worker thread -------------
+        run.tracker = make_tracker(args.report_to, out_dir, vars(args))  # before the start-up eval
         urls, eval_args, fidelity = start_rollouts(
             run, server_gpus, template, make_episode, rows, eval_rows, device, ckpt
         )
-        run.tracker = make_tracker(args.report_to, out_dir, vars(args))
 
         # TRAIN LOOP --------------------------------------------------------------------------------
         run.bar = tqdm(total=args.max_steps, initial=run.step, desc="grpo", dynamic_ncols=True)

@@ -6,12 +6,14 @@ resume, and the rows trained over both runs are those of an uninterrupted run.""
 import json
 import os
 import random
+import resource
 import signal
 import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import wait_for
 
@@ -52,6 +54,146 @@ def test_stream_position_over_random_kills_loses_no_row_and_repeats_none():
         assert Counter(consumed) == Counter(set(consumed)), "a row consumed twice"
         assert set(consumed) | position.pending == set(range(position.frontier))
         assert not set(consumed) & position.pending
+
+
+def test_a_lora_checkpoint_resumed_over_another_base_model_is_refused_in_one_line(tmp_path):
+    """A LoRA checkpoint holds the adapter alone: resumed over another --model of the same shapes (tiny and
+    tiny-warm) it would load and train on silently. The same base spelled another way resumes; a full
+    fine-tuning checkpoint (its policy is the checkpoint's) resumes over any --model."""
+    from checkpoint import RESUMED_FLAGS, resumed_flags
+    from train_async_grpo import given_flags, parser
+
+    def resume(saved: list[str], argv: list[str]) -> list[str]:
+        (tmp_path / "run_args.json").write_text(json.dumps(vars(parser.parse_args(saved)), default=str))
+        args = parser.parse_args(argv + ["--resume", str(tmp_path)])
+        return resumed_flags(tmp_path, args, given_flags(argv, RESUMED_FLAGS))
+
+    warm, tiny = str(REPO / "models" / "tiny-warm"), str(REPO / "models" / "tiny")
+    with pytest.raises(ValueError, match=r"LoRA adapter trained on --model .*tiny-warm, this run gives"):
+        resume(["--model", warm, "--lora-rank", "8"], ["--model", tiny])
+    assert resume(["--model", warm, "--lora-rank", "8"], ["--model", os.path.relpath(warm)]) == [
+        "--lora-rank 8"
+    ]
+    assert resume(["--model", warm], ["--model", tiny]) == []
+
+
+def test_a_fresh_run_into_another_runs_output_dir_is_refused_in_one_line(tmp_path):
+    """Started without --resume over another run's output dir, a run would leave that run's later
+    checkpoints beside its own: killed at step 30, a bare --resume took the other run's step 100 (its
+    weights, whatever --model said)."""
+    from checkpoint import checkpoint_to_resume
+
+    identity = {"seed": 0, "rows": 4, "rows_sha256": "0" * 16, "dataset": "d.jsonl"}
+    for step in (30, 100):
+        (tmp_path / "checkpoints" / f"step_{step:06d}").mkdir(parents=True)
+        torch.save({"step": step}, tmp_path / "checkpoints" / f"step_{step:06d}" / "trainer_state.pt")
+    with pytest.raises(ValueError, match=r"holds another run's checkpoints \(the latest step_000100\)"):
+        checkpoint_to_resume(None, tmp_path, identity)
+    assert checkpoint_to_resume(None, tmp_path / "fresh", identity) is None
+    assert checkpoint_to_resume("latest", tmp_path, identity).name == "step_000100"
+
+
+# ---------------------------------------------------------------------------------------------------
+# SAVES: what a kill -9 or a full disk at any point of a save leaves for the next resume
+# ---------------------------------------------------------------------------------------------------
+# Saves steps 1 and 2 of a tiny model, then step 2 again (what a run resumed from an older checkpoint
+# does), in a process of its own. "record": the files under the output dir at each filesystem change of
+# the re-save (an audit hook: it fires before the change), one JSON line each: what a kill -9 there would
+# leave. "kill": SIGKILLs itself as the re-save renames its temp dir. "fsize": the re-save under a 1 MiB
+# file size limit (writes past it fail with EFBIG, as on a full disk; Python ignores SIGXFSZ).
+SAVES = """
+import json, os, resource, signal, sys
+from pathlib import Path
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from checkpoint import save_checkpoint
+
+model_dir, out, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+
+def save(step):
+    state = {"step": step, "model_version": step, "dataset_position": 2 * step, "pending_rows": []}
+    return save_checkpoint(out, model, tokenizer, optimizer, scheduler, state)
+
+
+save(1), save(2)
+recording = {"on": False}
+CHANGES = {"os.rename", "os.remove", "os.rmdir", "os.mkdir", "shutil.rmtree", "shutil.move", "os.truncate"}
+
+
+def hook(event, args):
+    writes = event == "open" and isinstance(args[1], str) and set(args[1]) & set("wax+")
+    if not recording["on"] or not (event in CHANGES or writes):
+        return
+    if mode == "kill" and event == "os.rename":
+        os.kill(os.getpid(), signal.SIGKILL)
+    recording["on"] = False  # the listing's own calls are not the save's
+    files = {str(p.relative_to(out)): p.stat().st_size for p in out.rglob("*") if p.is_file()}
+    print(json.dumps({"at": event, "files": files}), flush=True)
+    recording["on"] = True
+
+
+sys.addaudithook(hook)
+if mode == "fsize":
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))
+recording["on"] = mode != "fsize"
+try:
+    save(2)
+except Exception as e:
+    print(json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
+"""
+
+
+def _saves(model: Path, out: Path, mode: str) -> tuple[int, list[dict]]:
+    """(exit status, the JSON lines) of SAVES in `mode`."""
+    env = dict(os.environ, TQDM_DISABLE="1", PYTHONPATH=str(REPO))
+    p = subprocess.run(
+        [sys.executable, "-c", SAVES, str(model), str(out), mode], env=env, capture_output=True, text=True
+    )
+    assert p.returncode in (0, -signal.SIGKILL), p.stderr[-4000:]
+    return p.returncode, [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
+
+
+def _visible_checkpoints(files: dict[str, int]) -> dict[str, dict[str, int]]:
+    """{step dir: {file: size}} of what latest_checkpoint looks at (hidden dirs are not checkpoints)."""
+    steps: dict[str, dict[str, int]] = {}
+    for path, size in files.items():
+        parts = Path(path).parts
+        if parts[0] == "checkpoints" and not parts[1].startswith("."):
+            steps.setdefault(parts[1], {})[parts[2]] = size
+    return steps
+
+
+def test_a_kill_anywhere_in_a_save_leaves_the_latest_checkpoint_whole(tiny_model, tmp_path):
+    """At each filesystem change of a re-save, the files a kill -9 would leave: the newest visible step
+    directory (what a bare --resume takes) is a whole checkpoint, never one half-deleted or half-written."""
+    rc, moments = _saves(tiny_model, tmp_path, "record")
+    assert rc == 0 and len(moments) > 3, moments
+    whole = _visible_checkpoints(moments[-1]["files"])["step_000001"]  # steps 1 and 2: the same files
+    assert {"trainer_state.pt", "model.safetensors"} <= set(whole)
+    for moment in moments:
+        visible = _visible_checkpoints(moment["files"])
+        latest = max(visible)
+        assert visible[latest] == whole, (moment["at"], latest, sorted(visible[latest]))
+
+
+def test_a_save_that_fails_or_is_killed_leaves_no_temp_dir_and_a_full_disk_is_one_line(tiny_model, tmp_path):
+    """A save killed part-way leaves its temp dir (up to a whole checkpoint: 7B with AdamW, ~90 GB): the
+    next save removes it. One that fails on a full disk removes its own and says so in one line naming the
+    checkpoint, with the one before it intact."""
+    rc, _ = _saves(tiny_model, tmp_path, "kill")
+    assert rc == -signal.SIGKILL
+    assert [p.name for p in (tmp_path / "checkpoints").glob(".*")]  # the killed save's temp dir
+    rc, lines = _saves(tiny_model, tmp_path, "fsize")
+    assert rc == 0, lines
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+    error = lines[-1]["error"]
+    assert error.startswith("CheckpointError: could not write the checkpoint") and "\n" not in error, error
+    assert "step_000002 (SafetensorError: " in error and error.endswith("free space, then --resume"), error
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -159,3 +301,29 @@ def test_kill_with_slow_groups_in_flight_then_resume_trains_every_row_once(train
     assert Counter(before + after) == Counter(reference), f"rows lost: {sorted(lost)}"
     assert ratio >= 0.95
     assert state["pending_rows"] == sorted(in_flight)  # what the checkpoint records: exactly those
+
+
+@pytest.mark.parametrize("save_every, step", [(1, 1), (100, STEPS)], ids=["in-the-loop", "final"])
+def test_a_full_disk_at_a_save_stops_the_run_in_one_line(trainer_server, tmp_path, save_every, step):
+    """The trainer under a 1 MiB file size limit (writes past it fail with EFBIG, as on a full disk): its
+    first checkpoint (step 1's, or the final one at the end) cannot be written. The run stops there with
+    one line naming the checkpoint and the way out, exit 1, no traceback, no temp dir left."""
+
+    def limit_file_size() -> None:
+        # The soft limit alone: the sandbox raises it to its own for the tool runs. Python ignores SIGXFSZ.
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    data, out, log = tmp_path / "heavy.jsonl", tmp_path / "out", tmp_path / "full.log"
+    _dataset(data)
+    env = dict(os.environ, BENCH_TOOL_TURN_S="0.1", TQDM_DISABLE="1")
+    with open(log, "w") as f:
+        cmd = _trainer(trainer_server.url, data, out, 0, "--save-every", str(save_every))
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                              preexec_fn=limit_file_size, timeout=600)  # fmt: skip
+    text = log.read_text()
+    assert proc.returncode == 1 and "Traceback" not in text, text[-4000:]
+    ckpt = out / "checkpoints" / f"step_{step:06d}"
+    line = f"stopping at step {step}: could not write the checkpoint {ckpt} ("
+    stops = [x for x in text.splitlines() if x.startswith(line)]
+    assert len(stops) == 1 and stops[0].endswith("free space, then --resume"), text[-4000:]
+    assert list((out / "checkpoints").iterdir()) == []

@@ -28,7 +28,7 @@ from distributed import describe_plan, init_distributed, plan_devices, shard_mod
 from envs import load_env
 from envs.data import load_rows
 from envs.sandbox import isolation_mode
-from metrics import rollout_metrics
+from metrics import open_jsonl, rollout_metrics
 from records import RolloutCompletion, RolloutGroup, TurnRecord, group_metrics
 from rollout import ClientStats, WorkerStats
 from sampling import Sampling, token_logprobs
@@ -191,6 +191,19 @@ def test_reward_and_accuracy_are_of_every_group_sampled_not_only_those_trained()
     assert m["rollout/reward_min"] == 0.0 and m["rollout/skipped_equal_reward"] == 2
 
 
+def test_a_resumed_run_appends_its_lines_after_a_cut_one(tmp_path):
+    """A run killed mid-write leaves metrics.jsonl (or completions.jsonl) with a cut last line; the
+    resumed run's first line was appended to it, and both were lost to every reader."""
+    path = tmp_path / "metrics.jsonl"
+    for before in ["", '{"step": 1}\n', '{"step": 1}\n{"step": 2, "rollout/rew']:
+        path.write_text(before)
+        with open_jsonl(path) as f:
+            f.write(json.dumps({"step": 2}) + "\n")
+        lines = path.read_text().splitlines()
+        assert json.loads(lines[-1]) == {"step": 2} and path.read_text().startswith(before), lines
+        assert len(lines) == before.count("\n") + (not before.endswith("\n") and before != "") + 1
+
+
 def test_row_stream_resumes_where_it_left_off():
     rows = [{"question": str(i)} for i in range(5)]
     full = row_stream(rows, seed=3)
@@ -252,8 +265,16 @@ def test_end_to_end_kill_and_resume(tmp_path, trainer_server):
     out = tmp_path / "run"
     log1 = open(tmp_path / "run1.log", "w")
     rollout_cpu = max(os.sched_getaffinity(0))
-    cmd = _cmd(out, 8, "--rollout-cpus", str(rollout_cpu))
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log1, stderr=subprocess.STDOUT)
+    cmd = _cmd(out, 8, "--rollout-cpus", str(rollout_cpu), "--report-to", "trackio")
+    # trackio is not installed here: a module of its name records what the tracker is given.
+    (tmp_path / "trackio.py").write_text(
+        "import json, os\ndef init(**kw): pass\ndef finish(): pass\n"
+        "def log(metrics, step):\n    with open(os.environ['TRACKED'], 'a') as f:\n"
+        "        f.write(json.dumps([step, sorted(metrics)]) + '\\n')\n"
+    )
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path, "TRACKED": str(tmp_path / "tracked.jsonl")}
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log1, stderr=subprocess.STDOUT, env=env)
     ckpt2 = out / "checkpoints" / "step_000002"
     wait_for(ckpt2.exists, proc, tmp_path / "run1.log", 600, "step-2 checkpoint")
     # --rollout-cpus: the launched server, every process of it, is on the generation side's CPU.
@@ -266,6 +287,11 @@ def test_end_to_end_kill_and_resume(tmp_path, trainer_server):
 
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert lines[0]["step"] == 0 and "eval/accuracy" in lines[0]  # the eval at start
+    tracked = [json.loads(line) for line in (tmp_path / "tracked.jsonl").read_text().splitlines()]
+    assert tracked[0][0] == 0 and "eval/accuracy" in tracked[0][1], (
+        "the eval at start never reached the tracker"
+    )
+    assert [step for step, _ in tracked[1:3]] == [1, 2]
     lines = lines[1:]
     assert [m["step"] for m in lines[:2]] == [1, 2]
     assert lines[0]["sandbox/mode"] == isolation_mode() and "sandbox/mode" not in lines[1]  # once, at start
