@@ -6,9 +6,10 @@ Column mapping, first match wins (other columns are kept as they are):
 - answer <- `answer`, `solution`, `reward_model["ground_truth"]` (DAPO-Math-17k); an answer containing
   `####` (GSM8K) gives the text after the last `####`, with thousands separators removed; a list of one
   answer gives that answer; a number gives its decimal digits (no exponent).
-A file that is not JSON lines (one object a line), has no rows, or has a row without a question or an
-answer, or whose answer is a longer list or an object, raises ValueError naming the line or row index
-and the field, so a bad dataset fails before training starts (in one line: `load_datasets`).
+A file that is not UTF-8 JSON lines (one object a line), has no rows, or has a row without a question
+or an answer (NaN, pandas' missing value, is none), or whose answer is a longer list or an object,
+raises ValueError naming the line or row index and the field, so a bad dataset fails before training
+starts (in one line: `load_datasets`).
 """
 
 import decimal
@@ -42,7 +43,8 @@ def _answer(row: dict) -> str | None:
             f"answer is a {type(a).__name__} ({str(a)[:60]}), but the reward compares one answer: give "
             "a string or a number (or a list of exactly one)"
         )
-    if a is None or (isinstance(a, str) and not a.strip()):
+    # NaN is pandas' missing value (json.dumps writes it `NaN`): no answer, not the answer "nan".
+    if a is None or (isinstance(a, str) and not a.strip()) or (isinstance(a, float) and math.isnan(a)):
         return None
     # A float as written out, never in an exponent: str(1e-05) is "1e-05", which math-verify reads as
     # Euler's e minus 5 (so 0.00001 would score wrong and e - 5 right).
@@ -73,11 +75,13 @@ def load_rows(path_or_name: str, split: str = "train") -> list[dict]:
     """Rows from a local .jsonl / .parquet file, or a Hugging Face dataset name (its `split`)."""
     if path_or_name.endswith(".jsonl"):
         raw = []
-        with open(path_or_name) as f:
+        # Bytes, decoded line by line: a byte that is not UTF-8 is then a ValueError naming its line.
+        with open(path_or_name, "rb") as f:
             for n, line in enumerate(f, 1):
                 if not line.strip():
                     continue
                 try:
+                    line = line.decode()
                     row = json.loads(line)
                 except ValueError as e:
                     raise ValueError(f"line {n}: not JSON ({e})") from None
@@ -92,7 +96,8 @@ def load_rows(path_or_name: str, split: str = "train") -> list[dict]:
     elif path_or_name.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        raw = pq.read_table(path_or_name).to_pylist()
+        with open(path_or_name, "rb") as f:  # a missing file says so (pyarrow's error is its name alone)
+            raw = pq.read_table(f).to_pylist()
     elif os.path.exists(path_or_name):
         raise ValueError(f"{path_or_name}: expected a .jsonl or .parquet file")
     else:

@@ -104,12 +104,12 @@ def final_answer(messages: list[dict]) -> str | None:
     """The final answer of the last assistant message (`last_answer`; None if there is none), read
     after its reasoning: a hermes turn's content keeps Qwen3's `<think>…</think>`, which the template
     does not show as the reply (a `\\boxed{}` only in there was rewarded; harmony's `thinking` never
-    was)."""
+    was), and one cut off inside it has no reply at all."""
     for m in reversed(messages):
         if isinstance(m, dict) and m.get("role") == "assistant":
             content = m.get("content")
-            if isinstance(content, str) and "</think>" in content:
-                content = content.rsplit("</think>", 1)[1]
+            if isinstance(content, str):  # after the last `</think>`, before a `<think>` never closed
+                content = content.rsplit("</think>", 1)[-1].split("<think>", 1)[0]
             return last_answer(content)
     return None
 

@@ -4,7 +4,9 @@ math-verify parses with sympy, and short answers such as `9^{9^{9^{9}}}` or `(10
 (big-int arithmetic in C, which no thread-level timeout can interrupt; math-verify's own SIGALRM
 timeouts only work on the main thread). So the parent sends each (gold, predicted) pair to a worker
 over a pipe and waits at most `DEADLINE_S`; a worker that overruns is SIGKILLed and a fresh one takes
-its place. Owned by envs/math_env.py (its `answer_verdict`), which retool reuses.
+its place. A worker's address space is capped (`confine.MEMORY_LIMIT_BYTES`), so an answer that eats
+memory faster than the deadline ends in a MemoryError, scored wrong. Owned by envs/math_env.py (its
+`answer_verdict`), which retool reuses.
 
 The pool starts on first use, is shared by every thread and event loop of the process (a lock guards
 the idle list; waiting happens in the calling thread), and dies with its parent: each worker sets
@@ -15,6 +17,7 @@ sends that signal when the spawning *thread* exits.
 import json
 import logging
 import os
+import resource
 import select
 import signal
 import subprocess
@@ -51,8 +54,11 @@ class _Worker:
 
 def _readline(proc: subprocess.Popen, timeout_s: float) -> str | None:
     """One line from the worker within `timeout_s`; None on timeout or if the worker died."""
-    ready, _, _ = select.select([proc.stdout], [], [], max(0.0, timeout_s))
-    if not ready:
+    # poll, not select: select refuses descriptors from 1024 up, which a process holding many
+    # connections, pipes and files gets.
+    poller = select.poll()
+    poller.register(proc.stdout, select.POLLIN)
+    if not poller.poll(max(0.0, timeout_s) * 1000):
         return None
     line = proc.stdout.readline()  # the worker writes whole lines and flushes, so this cannot block
     return line or None  # "" is EOF: the worker died
@@ -151,10 +157,18 @@ def _verify(gold: str, predicted: str) -> bool:
 
 
 def _worker_main(parent_pid: int) -> None:
-    from confine import die_with_parent  # run as a script: envs/ is sys.path[0]
+    from confine import MEMORY_LIMIT_BYTES, die_with_parent  # run as a script: envs/ is sys.path[0]
 
     if not die_with_parent(parent_pid):  # die with the trainer, even on SIGKILL
         return
+    # Some answers eat memory faster than the deadline bounds it (sympy expanding `(x+1)^{10^{9}}`:
+    # 0.5 GB a second), and sympy's caches keep what answers that finish computed (each `2^{2*10^8+k}`
+    # left 100 MB behind, without end). Past this much address space an allocation fails instead:
+    # math-verify reads the MemoryError as a wrong answer and the worker goes on (held at this cap by
+    # 20 such answers, it still judged honest ones right).
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = MEMORY_LIMIT_BYTES if hard == resource.RLIM_INFINITY else min(MEMORY_LIMIT_BYTES, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer; it kills us on exit
     # With timeouts off, math-verify warns "Timeout is disabled" on every call: silence that.
     logging.getLogger("math_verify").setLevel(logging.ERROR)

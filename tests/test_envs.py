@@ -4,6 +4,7 @@ import asyncio
 import json
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import pytest
 from transformers.utils import get_json_schema
 
 from envs import load_env, verify
-from envs.confine import ROLLOUT_CPUS_ENV
+from envs.confine import MEMORY_LIMIT_BYTES, ROLLOUT_CPUS_ENV
 from envs.data import load_datasets, load_rows
 from envs.math_env import answers_match, last_answer, last_boxed
 from envs.retool import ran_ok, strip_fence
@@ -143,6 +144,18 @@ def test_the_answer_is_read_after_the_reasoning(env):
     assert ep.reward(final("<think>\nIs it \\boxed{12}?\n</think>\n\nI am not sure."), []) == ep.wrong_reward
     assert ep.reward(final("<think>\n\\boxed{3}\n</think>\n\nSo \\boxed{12}."), []) == 1.0
     assert ep.reward(final("Is it 12?\n</think>\n\nAnswer: 12"), []) == 1.0
+
+
+@pytest.mark.parametrize("env", ["math", "retool"])
+def test_a_box_in_reasoning_cut_off_before_its_end_is_no_answer(env):
+    """A Qwen3 turn cut off by the length limit opens `<think>` and never closes it: all of it is
+    reasoning, and a box in there is no more the reply than one before a `</think>` (it was rewarded, so
+    a box early in a ramble to the limit paid)."""
+    ep = load_env(env).make_episode({"question": "q", "answer": "12"})
+    assert ep.reward(final("<think>\nIs it \\boxed{12}? Let me check that by"), []) == ep.wrong_reward
+    assert ep.reward(final("<think>\nAnswer: 12\n#### 12"), []) == ep.wrong_reward
+    assert ep.reward(final("<think>a</think>\n\\boxed{3}\n<think>\\boxed{12}"), []) == ep.wrong_reward
+    assert ep.reward(final("\\boxed{12}\n<think>\nhm"), []) == 1.0  # given before the reasoning opened
 
 
 def test_a_dapo_answer_line_is_rewarded():
@@ -325,6 +338,30 @@ def test_an_answer_list_of_one_is_its_answer_and_a_longer_one_is_refused(tmp_pat
     assert ep.reward(final("\\boxed{5}"), []) == 1.0
 
 
+def test_a_file_that_cannot_be_read_is_named_with_its_problem(tmp_path):
+    """A missing parquet file said only its own name (`--dataset x.parquet: x.parquet`); a byte that is
+    not UTF-8 (a file saved as Latin-1) named no line, and the position it gave was in a read buffer."""
+    missing = str(tmp_path / "missing.parquet")
+    with pytest.raises(ValueError, match=rf"^--dataset {re.escape(missing)}: .*No such file or directory"):
+        load_datasets(missing, None, 0)
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(
+        b'{"question": "q", "answer": "1"}\n' * 1000
+        + '{"question": "café?", "answer": "2"}\n'.encode("latin-1")
+    )
+    with pytest.raises(ValueError, match=r"^line 1001: not JSON \('utf-8' codec can't decode byte 0xe9"):
+        load_rows(str(latin1))
+
+
+def test_a_nan_answer_is_no_answer(tmp_path):
+    """NaN is how pandas marks a missing value (json.dumps writes it as `NaN`): it was read as the
+    answer "nan", which no completion matches, so the row trained on a reward of wrong for all."""
+    path = tmp_path / "n.jsonl"
+    path.write_text('{"question": "q", "answer": 1.5}\n{"question": "q2", "answer": NaN}\n')
+    with pytest.raises(ValueError, match=r"^row 1: no answer"):
+        load_rows(str(path))
+
+
 def test_a_numeric_answer_is_its_decimal_digits(tmp_path):
     """JSON numbers as ground truth: small and large floats without an exponent (math-verify reads
     `1e-05` as Euler's e minus 5), so the right answer scores and e - 5 does not."""
@@ -409,6 +446,69 @@ def test_a_worker_killed_mid_answer_is_replaced(short_deadline):
     t.join(timeout=5)
     assert out == [None]  # scored as not answered, well before its 30 s deadline
     assert answers_match("\\frac{1}{2}", "0.5") and not answers_match("3", "0.5")
+
+
+def test_an_answer_that_eats_memory_stops_at_the_workers_limit():
+    """`(x+1)^{10^{9}}` makes sympy expand the power: about 550 MB a second here, so the deadline alone
+    let a worker reach --reward-timeout times that (1.7 GB at the default 3 s, 16 GB at 30 s, per
+    worker). Now its address space is capped at MEMORY_LIMIT_BYTES: math-verify meets a MemoryError,
+    scores the answer wrong well before the deadline, and the worker goes on answering. RSS is part of
+    the address space, so the peak is bounded exactly; the watcher kills a worker past it so a failing
+    run does not eat the machine. The same cap bounds what answers that finish leave in sympy's caches
+    (each `2^{2*10^8+k}` left 100 MB behind: 2.6 GB after 24 of them, now at most the cap)."""
+    pool = verify.VerifyPool(size=1)
+    assert pool.check("1", "1") is True
+    (pid,) = pool.pids()
+    done, peak, over = threading.Event(), [0], []
+
+    def watch():
+        while not done.wait(0.05):
+            try:
+                status = dict(
+                    line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                )
+            except OSError:
+                return
+            peak[0] = max(peak[0], int(status["VmHWM"].split()[0]) * 1024)
+            if peak[0] > MEMORY_LIMIT_BYTES:
+                over.append(peak[0])
+                os.kill(pid, signal.SIGKILL)
+                return
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        assert pool.check("5", "(x+1)^{10^{9}}", deadline_s=120) is False  # answered, not killed
+    finally:
+        done.set()
+        watcher.join()
+    assert not over and 0 < peak[0] <= MEMORY_LIMIT_BYTES
+    assert pool.check("\\frac{1}{2}", "0.5") is True and pool.pids() == [pid]  # the same worker
+    os.kill(pid, signal.SIGKILL)
+
+
+def test_answers_are_checked_in_a_process_holding_over_1024_files():
+    """select() refuses a descriptor of 1024 or more (ValueError out of the reward, and a worker left
+    running), and a trainer or rollout process with many connections, pipes and files holds that many
+    where its open-files limit allows."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1100:
+        pytest.skip(f"the open-files limit ({hard}) keeps descriptors under 1024")
+    resource.setrlimit(
+        resource.RLIMIT_NOFILE, (max(soft, 1100) if soft != resource.RLIM_INFINITY else soft, hard)
+    )
+    held = [os.open(os.devnull, os.O_RDONLY)]
+    pool = verify.VerifyPool(size=1)
+    try:
+        while held[-1] < 1024:  # the lowest free descriptors go first: the worker's pipes get higher ones
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        assert pool.check("\\frac{1}{2}", "0.5") is True and pool.check("3", "0.5") is False
+        (pid,) = pool.pids()
+        os.kill(pid, signal.SIGKILL)
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_scoring_from_two_threads_at_once():

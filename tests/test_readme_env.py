@@ -66,6 +66,10 @@ def test_the_readme_env_keeps_the_episode_contract(units):
     say = lambda text: ep.messages + [{"role": "assistant", "content": text}]  # noqa: E731
     assert ep.reward(say("So \\boxed{3500}."), [ok]) == 1.0
     assert ep.reward(say("\\boxed{35}"), [ok]) == 0.0 and ep.reward(say("no answer"), []) == 0.0
+    # Written out whole: "5e+08" (`:g`, 211 of 1,100 rows, rounded to 6 digits) scored "500000000" wrong.
+    assert not [r["answer"] for r in units.make_rows(1100) if "e" in r["answer"]]
+    big = units.make_episode({"question": "mm in 500 km?", "answer": units.convert(500, "km", "mm")})
+    assert big.reward(say("\\boxed{500000000}"), []) == 1.0
     row = rows[0]  # the dataset's answers are the tool's own, and score 1
     assert units.make_episode(row).reward(say(f"\\boxed{{{row['answer']}}}"), []) == 1.0
 
