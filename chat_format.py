@@ -96,6 +96,13 @@ class ChatTemplate:
                 rerendered,
             )
         self.rerenders_history = rerendered is not None
+        # A generation prompt that opens the reasoning (Qwen3-Thinking-2507, QwQ): the model's text starts
+        # inside `<think>`, which is the prompt's. A turn cut off there has no `<think>` of its own, and
+        # a reward reading its content took the reasoning for the reply (a box in it scored).
+        prompt = self.render(self._probe_conversation()[:2], add_generation_prompt=True).rstrip(" ")
+        self.reasoning_opener = (
+            prompt[prompt.rindex("<think>") :] if prompt.rstrip().endswith("<think>") else ""
+        )
         self.prompt_ids(self._probe_conversation()[:2])  # a template that rewrites content fails here
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
@@ -283,7 +290,8 @@ class ChatTemplate:
 
     def assistant_message(self, text: str, calls: list, ids: Sequence[int] | None = None) -> dict:
         """The chat message of a generated turn (what rewards and a later re-render see): hermes keeps the
-        text before the first call (reasoning included), harmony the final channel's text with the
+        text before the first call (reasoning included, opened by `reasoning_opener` where the generation
+        prompt opened it), harmony the final channel's text with the
         analysis channel as `thinking` (its messages told apart at the control tokens of `ids`, as in
         `parse_tool_calls`), Llama-3.1 the text of a turn without a call."""
         if self.format == "harmony":
@@ -298,6 +306,7 @@ class ChatTemplate:
             for tok in (self.tokenizer.eos_token, "<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
                 if tok and content.endswith(tok):
                     content = content[: -len(tok)]
+            content = self.reasoning_opener + content  # the reasoning is its, however the turn ended
             message = {"role": "assistant", "content": content.strip() if calls else content}
         if calls:
             message["tool_calls"] = [

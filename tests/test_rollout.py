@@ -279,6 +279,39 @@ def test_qwen3_thinking_rollout_with_parallel_calls_is_the_templates_conversatio
     assert c.trajectory[0].message["content"] == "<think>\nFirst compute both.\n</think>"
 
 
+def test_a_generation_prompt_that_opens_the_reasoning_keeps_it_in_the_turns_message():
+    """Qwen3-Thinking-2507's template (tests/templates/qwen3_thinking_2507.jinja: Qwen3's, whose
+    generation prompt opens `<think>`): the model writes its reasoning without the tag. The rollout is
+    still the template's rendering token for token, and each turn's message opens its reasoning, so a
+    turn cut off inside it has no answer: its content read as the reply, a box in the reasoning scored."""
+    from envs.math_env import final_answer
+
+    tok = with_template("qwen3_thinking_2507.jinja", QWEN3_SPECIALS)
+    template = ChatTemplate(tok, [code_interpreter])
+    assert template.reasoning_opener == "<think>\n"
+    script = [
+        "First compute it.\n</think>\n\n" + CALL % 1,
+        "All 7.\n</think>\n\nThe answer is \\boxed{7}.<|im_end|>",
+    ]
+    client = ScriptedClient(tok, script)
+    ctx = RolloutContext(client, template, {}, 3, 2000, lambda: 0, asyncio.Semaphore(2))
+    episode = FakeEpisode(1, None)
+    prompt_ids = template.prompt_ids(episode.messages)
+    c = asyncio.run(tool_loop_rollout(ctx, episode, prompt_ids))
+    assert c.stop_reason == "eos" and episode.calls == 1
+    rendered = template.render(c.messages, add_generation_prompt=False)
+    assert tok.decode(prompt_ids + c.completion_ids) + "\n" == rendered
+    assert [m["content"] for m in c.messages if m["role"] == "assistant"] == [
+        "<think>\nFirst compute it.\n</think>",
+        "<think>\nAll 7.\n</think>\n\nThe answer is \\boxed{7}.",
+    ]
+    assert final_answer(c.messages) == "7"
+    cut = "Maybe \\boxed{12}, but let me check"  # stopped at the length limit, inside the reasoning
+    assert final_answer([template.assistant_message(cut, [], tok.encode(cut))]) is None
+    plain = ChatTemplate(with_template("qwen3.jinja", QWEN3_SPECIALS), [code_interpreter])
+    assert plain.reasoning_opener == "" and plain.assistant_message("a", [])["content"] == "a"
+
+
 HARMONY_SPECIALS = [
     "<|start|>",
     "<|end|>",
