@@ -30,6 +30,10 @@ from concurrent.futures import ThreadPoolExecutor
 # costs seconds, not the run. Set with the trainer's --reward-timeout.
 DEADLINE_S = 3.0
 POOL_SIZE = 2  # answers checked at once; math-verify is CPU-bound and rewards are a small share of a step
+# A worker left holding more than this after an answer is replaced: sympy's caches keep what answers
+# computed (each `2^{2*10^8+k}` leaves 100 MB), up to the address-space cap, where every answer that
+# needs memory then fails. A fresh worker holds ~60 MB and starts in ~1 s.
+RECYCLE_BYTES = 256 * 2**20
 START_TIMEOUT_S = 120.0  # a new worker imports sympy and math-verify before it counts against a deadline
 
 
@@ -62,6 +66,15 @@ def _readline(proc: subprocess.Popen, timeout_s: float) -> str | None:
         return None
     line = proc.stdout.readline()  # the worker writes whole lines and flushes, so this cannot block
     return line or None  # "" is EOF: the worker died
+
+
+def _resident_bytes(pid: int) -> int:
+    """The resident memory of `pid` (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 class VerifyPool:
@@ -113,9 +126,11 @@ class VerifyPool:
                 with self._lock:
                     self.timeouts += 1
                 return None
-            if worker.proc.poll() is None:
+            if worker.proc.poll() is None and _resident_bytes(worker.proc.pid) <= RECYCLE_BYTES:
                 with self._lock:
                     self._idle.append(worker)
+            else:
+                worker.kill()
             return verdict
 
     def pids(self) -> list[int]:

@@ -487,6 +487,22 @@ def test_an_answer_that_eats_memory_stops_at_the_workers_limit():
     os.kill(pid, signal.SIGKILL)
 
 
+def test_a_worker_that_answers_holding_much_memory_is_replaced():
+    """Answers that finish leave what sympy computed in its caches (each `2^{2*10^8+k}` ~100 MB): the
+    worker that answered 3 of them held ~390 MB, and after ~20 sat at its address-space cap for good.
+    One left holding more than RECYCLE_BYTES is replaced, and the next answer is judged by a fresh one."""
+    pool = verify.VerifyPool(size=1)
+    assert pool.check("1", "1") is True
+    (first,) = pool.pids()
+    for k in range(3):
+        assert pool.check("1", f"2^{{{2 * 10**8 + k}}}", deadline_s=60) is False
+        assert [verify._resident_bytes(pid) <= verify.RECYCLE_BYTES for pid in pool.pids()] in ([], [True])
+    assert first not in pool.pids() and not os.path.exists(f"/proc/{first}")  # killed and reaped
+    assert pool.check("\\frac{1}{2}", "0.5") is True
+    for pid in pool.pids():
+        os.kill(pid, signal.SIGKILL)
+
+
 def test_answers_are_checked_in_a_process_holding_over_1024_files():
     """select() refuses a descriptor of 1024 or more (ValueError out of the reward, and a worker left
     running), and a trainer or rollout process with many connections, pipes and files holds that many
