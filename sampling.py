@@ -26,6 +26,15 @@ class Sampling:
     top_p: float = 1.0  # 1 = off
     top_k: int = 0  # 0 = off
 
+    def __post_init__(self):
+        # vLLM's SamplingParams raises a temperature in (0, 0.01) to 0.01 (a warning in the server's log):
+        # it would sample at 0.01 and the trainer divide by the asked one. 0 (greedy) is for evaluation.
+        if 0 < self.temperature < 0.01:
+            raise ValueError(
+                f"temperature {self.temperature} is in (0, 0.01), which vLLM raises to 0.01: "
+                "sample at 0.01 or more (or 0, greedy, for evaluation)"
+            )
+
     def request_fields(self) -> dict:
         """Every field of a vLLM request that shapes the sampling distribution, stated explicitly: a
         field left out is filled from the model's generation_config.json by a server running
@@ -260,8 +269,10 @@ class _StreamedHead(torch.autograd.Function):
         h = hidden.to(w.dtype)  # cast once: every slice's matmuls read all of it
         acc = at_least_fp32(weight.dtype)
         g = grad_logprobs.to(acc)
-        grad_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)  # fp32 over slices
-        grad_weight = torch.empty(weight.shape, dtype=acc, device=weight.device)
+        # a frozen LM head (LoRA) takes no gradient: no (V, H) fp32 tensor, a third fewer matmuls
+        wants_hidden, wants_weight = ctx.needs_input_grad[:2]
+        grad_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if wants_hidden else None
+        grad_weight = torch.empty(weight.shape, dtype=acc, device=weight.device) if wants_weight else None
         vocab, cols = weight.shape[0], max(8, ctx.chunk // max(1, len(targets)) // 8 * 8)  # whole bytes
         for start in range(0, vocab, cols):
             end = min(start + cols, vocab)
@@ -269,9 +280,15 @@ class _StreamedHead(torch.autograd.Function):
                 head_logits(h, w[start:end], bf16), logz, g, targets - start,
                 None if kept is None else kept[:, start // 8 : -(-end // 8)], sampling.temperature, w.dtype,
             )  # fmt: skip
-            grad_hidden += grad @ w[start:end]
-            grad_weight[start:end] = grad.T @ h
-        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None, None, None, None
+            if wants_hidden:  # fp32 over slices
+                grad_hidden += grad @ w[start:end]
+            if wants_weight:
+                grad_weight[start:end] = grad.T @ h
+        return (
+            grad_hidden.to(hidden.dtype) if wants_hidden else None,
+            grad_weight.to(weight.dtype) if wants_weight else None,
+            None, None, None, None, None,
+        )  # fmt: skip
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ def test_bad_arguments_fail_before_anything_starts(capsys, tiny_model):
     for argv, name in [
         (["--max-steps", "0"], "--max-steps"),
         (["--temperature", "0"], "--temperature"),
+        (["--temperature", "0.005"], "--temperature must be ≥ 0.01"),
         (["--dataset", "nope.jsonl"], "--dataset"),
         (["--vllm-url", "localhost:8000"], "--vllm-url"),
         (["--num-generations", "1"], "--num-generations"),

@@ -70,6 +70,21 @@ def test_processed_logprobs_equal_vllms_sampler(sampling):
         assert kept.sum(-1).max() < 1000
 
 
+def test_the_requested_temperature_is_the_one_vllm_samples_at():
+    """vLLM's SamplingParams raises a temperature in (0, 0.01) to 0.01: the trainer would divide by
+    another temperature than the sampler's, so such a Sampling is refused; every other one reaches vLLM
+    as it is."""
+    from vllm import SamplingParams
+
+    for temperature in (0.0, 0.01, 0.7, 2.0):
+        params = SamplingParams(**Sampling(temperature, top_p=0.9, top_k=5).request_fields())
+        assert params.temperature == temperature
+    for temperature in (1e-6, 0.005):
+        assert SamplingParams(temperature=temperature).temperature == 0.01  # what vLLM would do
+        with pytest.raises(ValueError, match="raises to 0.01"):
+            Sampling(temperature)
+
+
 def test_truncated_logprobs_are_differentiable_in_the_kept_logits():
     logits = torch.randn(4, 50, requires_grad=True)
     targets = logits.detach().argmax(-1)  # sampled tokens are in the kept set
@@ -179,6 +194,31 @@ def test_streamed_head_never_holds_more_than_a_chunk_of_logits():
         _streamed(h, w, targets, Sampling(0.8, top_p=0.9), weights, chunk_logits=rows * 1000)
     bits = len(h) * 1000 // 8
     assert Largest.largest <= max(4 * rows * 1000, 4 * w.numel(), 4 * h.numel(), bits) < 4 * len(h) * 1000
+
+
+def test_streamed_head_with_a_frozen_weight_computes_no_weight_gradient():
+    """LoRA freezes the LM head: the backward then makes no (V, H) weight gradient (an fp32 tensor the
+    size of the head, 0.9 GB at Qwen 1.5B's, and a third of the backward's matmuls), and the hidden
+    states' gradient is the same as with the weight trained."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Shapes(TorchDispatchMode):
+        made = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            Shapes.made += [tuple(t.shape) for t in (out if isinstance(out, (tuple, list)) else [out])
+                            if isinstance(t, torch.Tensor)]  # fmt: skip
+            return out
+
+    h, w, targets, weights = (t.float() if t.is_floating_point() else t for t in _head_case(n=50))
+    _, _, trained_grad_hidden, _ = _streamed(h, w, targets, Sampling(0.8, top_p=0.9), weights, 7 * 1000)
+    hidden = h.clone().requires_grad_()
+    lp, _ = streamed_logprobs(hidden, w, targets, Sampling(0.8, top_p=0.9), chunk_logits=7 * 1000)
+    with Shapes():
+        (lp * weights.float()).sum().backward()
+    assert tuple(w.shape) not in Shapes.made
+    torch.testing.assert_close(hidden.grad, trained_grad_hidden, atol=0, rtol=0)
 
 
 def _old_token_logprobs(model, ids, sampling, bf16=False):
