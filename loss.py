@@ -36,6 +36,11 @@ def group_advantages(
     up to 5e-2 that --keep-zero-variance would train on. Computed in float64, returned as float32.
     """
     r = torch.as_tensor(rewards, dtype=torch.float64)
+    if not bool(torch.isfinite(r).all()):
+        # NaN/inf would make every advantage of the group NaN, and the batch's loss with it
+        raise ValueError(
+            f"non-finite reward in {r.tolist()}: the environment's reward must return a finite float"
+        )
     if r.numel() == 0 or bool((r == r[0]).all()):
         return torch.zeros(r.shape, dtype=torch.float32)
     adv = r - r.mean()

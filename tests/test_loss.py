@@ -78,6 +78,13 @@ def test_advantages_equal_rewards_are_zero(rewards):
         assert not torch.isnan(adv).any() and torch.equal(adv, torch.zeros(len(rewards)))
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_reward_is_refused_not_turned_into_nan_advantages(bad):
+    # A NaN advantage makes the whole batch's loss NaN: the step is skipped and every other group lost.
+    with pytest.raises(ValueError, match="non-finite reward"):
+        group_advantages([1.0, bad, 0.0])
+
+
 # ---- grpo_loss: one token per branch -----------------------------------------------------------
 
 
