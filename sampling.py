@@ -19,6 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+# vLLM's SamplingParams raises a temperature in (0, MIN_TEMPERATURE) to it (a warning in the server's
+# log): it would sample there and the trainer divide by the asked one. 0 (greedy) is for evaluation.
+MIN_TEMPERATURE = 0.01
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -27,12 +31,10 @@ class Sampling:
     top_k: int = 0  # 0 = off
 
     def __post_init__(self):
-        # vLLM's SamplingParams raises a temperature in (0, 0.01) to 0.01 (a warning in the server's log):
-        # it would sample at 0.01 and the trainer divide by the asked one. 0 (greedy) is for evaluation.
-        if 0 < self.temperature < 0.01:
+        if 0 < self.temperature < MIN_TEMPERATURE:
             raise ValueError(
-                f"temperature {self.temperature} is in (0, 0.01), which vLLM raises to 0.01: "
-                "sample at 0.01 or more (or 0, greedy, for evaluation)"
+                f"temperature {self.temperature} is in (0, {MIN_TEMPERATURE}), which vLLM raises to "
+                f"{MIN_TEMPERATURE}: sample at {MIN_TEMPERATURE} or more (or 0, greedy, for evaluation)"
             )
 
     def request_fields(self) -> dict:

@@ -95,6 +95,7 @@ from metrics import (
     write_completions,
 )
 from rollout_process import RolloutProcess, build_worker, split_cpus
+from sampling import MIN_TEMPERATURE
 from trainer import (
     NonFiniteCount,
     NonFiniteSteps,
@@ -224,8 +225,8 @@ def check_args(args: argparse.Namespace) -> None:
         (args.reward_timeout <= 0, f"--reward-timeout must be > 0 seconds, got {args.reward_timeout}"),
         (args.server_timeout <= 0, f"--server-timeout must be > 0 seconds, got {args.server_timeout}"),
         (args.batch_timeout <= 0, f"--batch-timeout must be > 0 seconds, got {args.batch_timeout}"),
-        (args.temperature < 0.01, "--temperature must be ≥ 0.01 for training (logprobs divide by it; vLLM "
-         f"raises a smaller one to 0.01), got {args.temperature}"),
+        (args.temperature < MIN_TEMPERATURE, f"--temperature must be ≥ {MIN_TEMPERATURE} for training "
+         f"(logprobs divide by it; vLLM raises a smaller one to {MIN_TEMPERATURE}), got {args.temperature}"),
         (not 0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}"),
         (args.is_cap <= 0 or args.max_grad_norm <= 0, "--is-cap and --max-grad-norm must be > 0"),
         (args.eps_low >= 1, f"--eps-low must be < 1, got {args.eps_low}"),
