@@ -149,26 +149,30 @@ def collect_groups(
         if heal is not None and time.monotonic() > next_heal:
             heal()
             next_heal = time.monotonic() + heal_every_s
+        # Past the deadline nothing more is taken, also while groups keep coming: skipped or dropped ones
+        # arriving faster than the poll would otherwise keep the wait going as long as the rows last.
         try:
-            group = worker.queue.get(timeout=0.5)
+            group = None if time.monotonic() > deadline else worker.queue.get(timeout=0.5)
         except Exception:  # queue.Empty
-            if time.monotonic() > deadline or not worker.alive:
-                health = {u: healthy(u) for u in urls}
-                raise BatchTimeout(
-                    explain_batch_timeout(
-                        time.monotonic() - t0,
-                        len(groups),
-                        num_groups,
-                        worker.alive,
-                        worker.exhausted,
-                        worker.stats,
-                        worker.client.stats,
-                        health,
-                        dropped,
-                        skipped,
-                        worker.client.down,
-                    )  # fmt: skip
-                ) from None
+            group = None
+        if group is None and (time.monotonic() > deadline or not worker.alive):
+            health = {u: healthy(u) for u in urls}
+            raise BatchTimeout(
+                explain_batch_timeout(
+                    time.monotonic() - t0,
+                    len(groups),
+                    num_groups,
+                    worker.alive,
+                    worker.exhausted,
+                    worker.stats,
+                    worker.client.stats,
+                    health,
+                    dropped,
+                    skipped,
+                    worker.client.down,
+                )  # fmt: skip
+            ) from None
+        if group is None:
             continue
         taken.append(group)
         staleness = version - group.admitted_version
@@ -191,7 +195,7 @@ def batch_sequences(groups) -> list[dict]:
     """One dict per completion with per-token arrays over prompt + completion (mask 0 on the prompt)."""
     seqs = []
     for g in groups:
-        for c, adv in zip(g.completions, g.advantages):
+        for c, adv in zip(g.completions, g.advantages, strict=True):  # never a completion left out
             n_p = len(g.prompt_ids)
             seqs.append({
                 "ids": g.prompt_ids + c.completion_ids,

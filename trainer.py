@@ -81,8 +81,11 @@ def load_models(args: argparse.Namespace, ckpt: Path | None, device: torch.devic
     # --kl-beta reference are in the compute dtype, not fp32).
     unloaded = [m for m in (model, ref_model) if m is not None] if sharded else []
     shard_bytes = sum(p.numel() * p.element_size() for m in unloaded for p in m.parameters()) / world_size
+    # The largest forward: pack puts a sequence longer than --micro-batch-tokens alone in its micro-batch,
+    # so up to --max-context tokens (--micro-batch-tokens 1 is an unpacked run).
+    longest_forward = max(args.micro_batch_tokens, args.max_context)
     on, why = choose_checkpointing(
-        args.gradient_checkpointing, model.config, trainable, args.micro_batch_tokens, world_size,
+        args.gradient_checkpointing, model.config, trainable, longest_forward, world_size,
         args.compute_dtype == "bf16", free_memory(device, shard_bytes),
     )  # fmt: skip
     if on:
@@ -119,11 +122,11 @@ def choose_checkpointing(
     setting: str, config, trainable_params: int, micro_batch_tokens: int, world_size: int, bf16: bool,
     free_bytes: int | None,
 ) -> tuple[bool, str]:  # fmt: skip
-    """(on, why) for --gradient-checkpointing: "on" / "off" as given; "auto" turns it on only when a
-    micro-batch's activations without it, plus the gradients and AdamW state still to come (12 bytes
-    per trainable parameter: the fp32 gradient and AdamW's two moments, sharded over ranks; a frozen
-    LoRA base has none), would not fit in CHECKPOINT_HEADROOM of the free memory (`free_bytes`,
-    measured with the weights loaded; None: unknown, so off)."""
+    """(on, why) for --gradient-checkpointing: "on" / "off" as given; "auto" turns it on only when the
+    activations of a `micro_batch_tokens`-token forward (the largest one) without it, plus the gradients
+    and AdamW state still to come (12 bytes per trainable parameter: the fp32 gradient and AdamW's two
+    moments, sharded over ranks; a frozen LoRA base has none), would not fit in CHECKPOINT_HEADROOM of
+    the free memory (`free_bytes`, measured with the weights loaded; None: unknown, so off)."""
     if setting != "auto":
         return setting == "on", f"--gradient-checkpointing {setting}"
     gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731

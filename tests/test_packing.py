@@ -116,7 +116,7 @@ def test_a_batch_of_rows_is_refused_in_one_line(models):
 def test_the_trainer_loads_the_packed_attention_and_names_it(tiny_model, capsys):
     args = SimpleNamespace(
         model=str(tiny_model), kl_beta=0.1, compute_dtype="fp32", gradient_checkpointing="auto",
-        micro_batch_tokens=4096,
+        micro_batch_tokens=4096, max_context=2048,
     )  # fmt: skip
     model, ref_model, _ = load_models(args, None, torch.device("cpu"), world_size=1)
     assert model.config._attn_implementation == ref_model.config._attn_implementation == PER_SEQUENCE_SDPA

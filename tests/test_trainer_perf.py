@@ -143,7 +143,9 @@ def test_auto_checkpointing_turns_on_only_where_the_activations_do_not_fit():
 
 
 def test_the_trainer_says_what_it_chose_and_why(tiny_model, capsys):
-    args = SimpleNamespace(model=str(tiny_model), kl_beta=0.0, compute_dtype="fp32", micro_batch_tokens=4096)
+    args = SimpleNamespace(
+        model=str(tiny_model), kl_beta=0.0, compute_dtype="fp32", micro_batch_tokens=4096, max_context=2048
+    )
     for setting, on in [("auto", False), ("on", True)]:
         args.gradient_checkpointing = setting
         model, _, _ = T.load_models(args, None, torch.device("cpu"), world_size=1)
@@ -320,3 +322,21 @@ def test_compiled_layers_take_the_eager_step_and_compile_once(tiny_model, monkey
     # one layer's pieces (around the attention), shared by both layers, and the head's two
     assert graphs[0] <= 8, graphs
     assert sampling._HEAD["slice_gradient"] is not sampling._slice_gradient  # the head ran compiled
+
+
+def test_auto_checkpointing_sizes_for_a_sequence_longer_than_the_micro_batch(tiny_model, monkeypatch, capsys):
+    """A sequence longer than --micro-batch-tokens is packed alone (batches.pack): the largest forward is
+    --max-context tokens, not --micro-batch-tokens (--micro-batch-tokens 1 is the unpacked run of
+    docs/benchmarks.md). With free memory between the two, auto must turn checkpointing on."""
+    flags = ["--micro-batch-tokens", "64", "--max-context", "2048", "--compile", "off"]
+    args = script.parser.parse_args(["--model", str(tiny_model), *flags])
+    args.compute_dtype = "fp32"
+    config = AutoModelForCausalLM.from_pretrained(tiny_model).config
+    params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model).parameters())
+    short, longest = (activation_bytes(config, n, bf16=False) for n in (64, 2048))
+    free = (12 * params + (short + longest) / 2) / T.CHECKPOINT_HEADROOM
+    monkeypatch.setattr(T, "free_memory", lambda device, taken_later=0.0: int(free))
+    model, _, _ = T.load_models(args, None, torch.device("cpu"), world_size=1)
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("gradient checkpointing"))
+    assert model.is_gradient_checkpointing, line
+    assert "2048-token" in line, line
