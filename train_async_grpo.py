@@ -110,7 +110,7 @@ from trainer import (
     sync_weights,
     train_step,
 )
-from vllm_server import healthy, relaunch_exited, served_model_name, write_servers_file
+from vllm_server import ServerStartError, healthy, relaunch_exited, served_model_name, write_servers_file
 from weight_sync import WeightSyncError
 
 # fmt: off
@@ -561,15 +561,17 @@ def shutdown(run: Run, exc: BaseException | None) -> None:
         sys.exit(1)
 
 
-# What ends a run with exit 1, in one line: a refusal at start-up (fidelity, the transfer groups), every
-# server out of step after a sync, the non-finite limit (saved already), weights non-finite after a step
-# (nothing synced or saved), a checkpoint that could not be written.
+# What ends a run with exit 1, in one line: a refusal at start-up (fidelity, the transfer groups, a server
+# that would not start: with its log's tail), every server out of step after a sync, the non-finite limit
+# (saved already), weights non-finite after a step (nothing synced or saved), a checkpoint that could not
+# be written.
 REFUSALS = {
     FidelityError: "refusing to train: {e}",
     WeightSyncError: "weight sync: {e}",
     NonFiniteSteps: "stopping at step {step}: {e}",
     NonFiniteWeights: "stopping at step {step}: {e}; nothing synced or saved",
     CheckpointError: "stopping at step {step}: {e}",
+    ServerStartError: "{e}",
 }
 
 

@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections import deque
 from collections.abc import Collection
 from pathlib import Path
 
@@ -59,11 +60,28 @@ def vllm_max_lora_rank(rank: int) -> int:
 _live_servers: list["VLLMServer"] = []
 
 
+class ServerStartError(RuntimeError):
+    """A server that could not start: its port taken, or it exited or never answered (its log says why)."""
+
+
 # ADDRESSES of this host: a free port for a server or a transfer group, the address a peer reaches us at
+# The last ports `free_port` handed out: a port is taken some time before it is bound (a server binds it
+# once vLLM has started, seconds to minutes later), and meanwhile the kernel hands it out again.
+_ports_handed_out: deque[int] = deque(maxlen=1024)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and not among the last 1,024 this process handed out: servers started together
+    and the transfer groups of a join never share one (the kernel's own choice repeated 5 in 400). Bounded:
+    where the port range is that small, a port handed out before is handed out again."""
+    for _ in range(64):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _ports_handed_out:
+            break
+    _ports_handed_out.append(port)
+    return port
 
 
 def port_taken(host: str, port: int) -> bool:
@@ -218,7 +236,8 @@ class VLLMServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not self.alive():
-                raise RuntimeError(
+                self.stop()  # its engine processes, watchdog and run dir: the API process alone exited
+                raise ServerStartError(
                     f"vLLM server {self.url} exited with code {self.proc.returncode} during start-up; "
                     f"log {self.log_path} ends with:\n{self.log_tail()}"
                 )
@@ -226,7 +245,7 @@ class VLLMServer:
                 return
             time.sleep(0.5)
         self.stop()
-        raise TimeoutError(
+        raise ServerStartError(
             f"vLLM server {self.url} not healthy after {timeout_s:.0f} s; "
             f"log {self.log_path} ends with:\n{self.log_tail()}"
         )
@@ -317,7 +336,7 @@ def start_vllm_server(
     """
     port = port or free_port()
     if port_taken(host, port):
-        raise RuntimeError(
+        raise ServerStartError(
             f"port {port} on {host} is already in use (another server running?): choose another"
         )
     on_gpu = torch.cuda.is_available()
@@ -510,7 +529,7 @@ def main() -> None:
         )
     except KeyboardInterrupt:
         pass
-    except (RuntimeError, TimeoutError) as e:  # a server that exited or never answered: its log says why
+    except ServerStartError as e:
         sys.exit(f"vllm_server.py: {e}")
     finally:
         for s in servers:

@@ -633,12 +633,10 @@ class WeightSyncer:
             self._release(list(failed))
             self.failed.update(failed)
             dead = [u for u in failed if not healthy(u)]
-            for u in failed:
-                if u not in dead:
-                    try:
-                        post(u, "/pause?mode=abort", None, self.http_timeout_s)
-                    except Exception:  # noqa: BLE001 - the sync error below is the one that matters
-                        pass
+            # All at once: an engine stuck in a receive answers /health but not /pause (http_timeout_s
+            # each). Their errors are not reported: the sync error below is the one that matters.
+            alive = [u for u in failed if u not in dead]
+            _call_all(alive, "/pause?mode=abort", [None] * len(alive), self.http_timeout_s)
             raise WeightSyncError(
                 f"weight sync to version {version} failed on {len(failed)} server(s), "
                 f"{len(ok)} got it; not responding: {', '.join(dead) or 'none'}; "

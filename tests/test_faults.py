@@ -425,3 +425,33 @@ def test_shutdown_acts_on_the_exception_main_passes(monkeypatch, tmp_path, exc, 
     )  # fmt: skip
     T.shutdown(run, exc)
     assert ("saved" in events) == saved and ({"stop": True} in events) == released, events
+
+
+# ---------------------------------------------------------------------------------------------------
+# A server the trainer launches that never answers: one line with its log's tail, exit 1, nothing left
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_a_server_that_never_becomes_ready_ends_the_run_in_one_line(tmp_path):
+    """--server-timeout 1: no vLLM answers that fast. The run said so in a traceback from inside
+    vllm_server (TimeoutError); now in the refusal's line, exit 1, with no server process left."""
+    out = tmp_path / "run"
+    r = subprocess.run(
+        trainer_cmd(out, 1, "--server-timeout", "1"), cwd=REPO, capture_output=True, text=True, timeout=280
+    )
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    line = re.search(
+        r"^vLLM server http://[\d.]+:(\d+) not healthy after 1 s; log \S+ ends with:$", r.stderr, re.M
+    )
+    assert line, r.stderr[-3000:]
+    # Every process of that server (API, engine, watchdog) has its run dir in its environment or argv.
+    run_dir = f"vllm-run-{line[1]}-".encode()
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            seen = Path(f"/proc/{pid}/environ").read_bytes() + Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if run_dir in seen and alive({int(pid)}):
+            left.append(pid)
+    assert not left, f"server processes left: {left}"

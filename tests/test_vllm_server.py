@@ -63,10 +63,25 @@ def test_token_ids_and_logprobs_match_transformers(vllm_server, served_model):
 
 
 def test_failed_start_reports_log_tail(tmp_path):
-    # A model directory with no config: the server dies early and the error must carry its log.
+    """A model directory with no config: the server dies early and the error must carry its log. Nothing
+    of it is left behind: its watchdog, lifeline and run dir lived on (until the caller exited) when the
+    server exited during start-up, though a start-up timeout cleaned them up."""
+    launched = []
+
+    class Recorded(vllm_server.VLLMServer):  # the real launcher, remembered for the checks below
+        def _launch(self) -> None:
+            super()._launch()
+            launched.append(self)
+
     (tmp_path / "not-a-model").mkdir()
     with pytest.raises(RuntimeError, match="log .* ends with"):
-        start_vllm_server(str(tmp_path / "not-a-model"), log_dir=tmp_path, timeout_s=120)
+        start_vllm_server(
+            str(tmp_path / "not-a-model"), log_dir=tmp_path, timeout_s=120, server_class=Recorded
+        )
+    [server] = launched
+    assert server not in vllm_server._live_servers
+    assert server._watchdog.poll() is not None, "the watchdog outlived the failed start"
+    assert not server.run_dir.exists() and group_pids(server.proc.pid) == []
 
 
 @pytest.mark.timeout(300)
@@ -197,6 +212,14 @@ def test_a_port_already_in_use_is_one_line_not_someone_elses_health(tmp_path):
         port = held.getsockname()[1]
         with pytest.raises(RuntimeError, match=f"port {port} on 127.0.0.1 is already in use"):
             vllm_server.start_vllm_server("models/tiny", port=port, log_dir=tmp_path, timeout_s=1)
+
+
+def test_ports_handed_out_before_they_are_bound_are_distinct():
+    """Servers started together (start_vllm_servers) and the transfer groups of a join each take a port
+    before anything binds it: the kernel handed a just-released port out again (5 repeats in 400 calls
+    here), so 8 servers shared a port in about 1 launch in 500 and one died of "Address already in use"."""
+    ports = [vllm_server.free_port() for _ in range(600)]
+    assert len(set(ports)) == len(ports), f"{len(ports) - len(set(ports))} ports handed out twice"
 
 
 def test_a_restarted_server_keeps_its_run_dir(tmp_path):

@@ -386,6 +386,7 @@ class FakeServer:
         self.down_until = 0.0  # monotonic time until which it is starting up: every route answers 503
         self.tag_asks = 0  # GET /weight_info answered
         self.before_tag = lambda: None  # runs before /weight_info answers (a busy engine's step)
+        self.before_post = lambda path: None  # runs before a POST is answered (an engine stuck in a receive)
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def log_message(self, *_):
@@ -414,6 +415,7 @@ class FakeServer:
                 if time.monotonic() < fake.down_until:
                     return self.answer({}, 503)
                 fake.calls.append(self.path)
+                fake.before_post(self.path)
                 if self.path.startswith(fake.fail):
                     return self.answer({"error": "injected"}, 500)
                 if self.path == "/init_weight_transfer_engine":
@@ -856,6 +858,24 @@ def test_a_failed_server_finishes_its_update_before_it_rejoins():
     after = servers[1].calls[last_start:]
     assert "/finish_weight_update" in after
     assert after.index("/finish_weight_update") < after.index("/init_weight_transfer_engine"), after
+
+
+def test_failed_servers_whose_engine_does_not_answer_are_aborted_side_by_side():
+    """Servers that fail a sync but answer /health have their requests aborted; a server whose engine is
+    stuck (NCCL: in the receive of a broadcast that timed out, every server of the communicator at once)
+    answers /health but not /pause, which waits out http_timeout_s. One after another, the trainer
+    waited that once per server (8 servers at the default 60 s: 8 minutes in the sync) before it could
+    relaunch them."""
+    servers = [FakeServer(fail=("/update_weights",)) for _ in range(4)]
+    for s in servers:
+        s.before_post = lambda path: time.sleep(8) if path.startswith("/pause") else None
+    syncer, _ = fake_syncer("gloo", servers)  # http_timeout_s 5
+    syncer.init()
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match="failed on 4 server"):
+        syncer.sync(counting_params(), version=1)
+    assert time.monotonic() - t0 < 12, f"{time.monotonic() - t0:.0f} s: the aborts were waited for in turn"
+    assert all("/pause?mode=abort" in s.calls for s in servers)
 
 
 def test_a_server_that_stays_asleep_fails_the_resume():
