@@ -37,9 +37,11 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
+from checkpoint import CheckpointError
 from vllm_server import vllm_max_lora_rank
 from weight_sync import HTTPStatusError, WeightSyncer, WeightSyncError, _reset_kv, post
 
@@ -63,6 +65,11 @@ def attach(
         task_type="CAUSAL_LM",
     )  # fmt: skip
     peft_model = get_peft_model(model, config)
+    # adapter_config.json names the base: a local directory by its absolute path, or merge_lora.py run
+    # from another directory looks the relative --model up there (on the hub, or a same-named other dir).
+    base = peft_model.peft_config["default"].base_model_name_or_path
+    if base and os.path.isdir(base):
+        peft_model.peft_config["default"].base_model_name_or_path = os.path.abspath(base)
     # peft upcasts 16-bit adapters to fp32 itself (autocast_adapter_dtype); this also covers a base in
     # another dtype and states the rule where it is relied on.
     for p in adapter_parameters(peft_model):
@@ -163,7 +170,16 @@ def write_adapter(
     path = Path(root) / adapter_name(version)
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, state_dict=whole_adapter(model) if weights is None else weights)
+    try:
+        model.save_pretrained(tmp, state_dict=whole_adapter(model) if weights is None else weights)
+    except (OSError, SafetensorError) as e:  # a full disk: every version's directory is kept (docs/lora.md)
+        shutil.rmtree(tmp, ignore_errors=True)
+        free_gb = shutil.disk_usage(root).free / 2**30
+        raise CheckpointError(
+            f"could not write the adapter {path} ({type(e).__name__}: {' '.join(str(e).split())}; "
+            f"{free_gb:.1f} GiB free there): free space (the older versions under {root} can go), "
+            "then --resume"
+        ) from e
     (tmp / "README.md").unlink(missing_ok=True)  # peft's model card: no server reads it
     shutil.rmtree(path, ignore_errors=True)  # a resumed run rewrites the versions after its checkpoint
     os.replace(tmp, path)
@@ -302,9 +318,10 @@ class AdapterSyncer(WeightSyncer):
     versions below the previous one: a turn that read the version just before the sync may still send
     a request naming it; a request already sent keeps its adapter through the unload (docs/lora.md).
     No pause and no KV reset: a new name never shares cached KV with another version. The directories
-    stay until the run ends: the engine reloads an adapter it evicted from its LRU from its path while a
-    request still uses it. Under FSDP it runs on rank 0, and each sync gathers the adapter with the
-    other ranks (whole_adapter: they join it from trainer.follow_rank0), heal or not."""
+    stay, run's end included (a long run fills its disk: docs/lora.md): the engine reloads an adapter it
+    evicted from its LRU from its path while a request still uses it. Under FSDP it runs on rank 0, and
+    each sync gathers the adapter with the other ranks (whole_adapter: they join it from
+    trainer.follow_rank0), heal or not."""
 
     def __init__(self, urls: list[str], model: PeftModel, root: Path, rank: int):
         super().__init__(urls, http_timeout_s=120.0)

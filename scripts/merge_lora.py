@@ -33,13 +33,19 @@ parser.add_argument(
 
 def main() -> None:
     args = parser.parse_args()
-    base = (
-        args.base
-        or json.loads((Path(args.adapter) / "adapter_config.json").read_text())["base_model_name_or_path"]
-    )
-    model = PeftModel.from_pretrained(
-        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), args.adapter
-    )
+    config = Path(args.adapter) / "adapter_config.json"
+    if not config.is_file():
+        sys.exit(f"--adapter {args.adapter}: no adapter_config.json there (give a version's directory, "
+                 "<output-dir>/adapters/v<N>, or a LoRA checkpoint's)")  # fmt: skip
+    base = args.base or json.loads(config.read_text())["base_model_name_or_path"]
+    try:
+        model = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), args.adapter
+        )
+    except (OSError, RuntimeError) as e:  # no such model; or an adapter of other shapes (size mismatch)
+        why = " ".join(str(e).split())[:300]
+        sys.exit(f"base model {base} cannot be loaded with adapter {args.adapter} ({why}): pass --base with "
+                 "the model the adapter was trained on")  # fmt: skip
     merged = merge(model).to(getattr(torch, args.dtype))
     merged.save_pretrained(args.out)
     AutoTokenizer.from_pretrained(base).save_pretrained(args.out)

@@ -7,6 +7,7 @@ scores what the server samples with the unmerged adapter."""
 
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -25,7 +26,7 @@ from test_fidelity import _prompts
 from transformers import AutoModelForCausalLM
 
 import lora
-from checkpoint import param_checksum
+from checkpoint import CheckpointError, param_checksum
 from fidelity import FP32_MAX_ABS_DIFF, FidelityError, probe, verify_server
 from sampling import Sampling
 from vllm_server import served_model_name, vllm_max_lora_rank
@@ -398,3 +399,58 @@ def test_a_lora_run_syncs_only_the_adapter_passes_every_check_and_resumes_after_
         for keys in [("behaviour_logprob", "trainer_logprob", "mask")]
     ]
     assert gaps and max(gaps) <= FP32_MAX_ABS_DIFF + 2e-4, gaps
+
+
+def test_merge_lora_finds_a_relative_base_from_any_directory_and_refuses_bad_paths_in_one_line(
+    served_model, tmp_path, monkeypatch
+):
+    """A run started from the repo with `--model models/tiny-warm` writes adapters that name their base;
+    scripts/merge_lora.py run from elsewhere finds that base (it was looked up relative to the merge's
+    directory: a hub lookup and a traceback, or another model of the same relative path, silently), and
+    bad paths get one line naming the way out."""
+    monkeypatch.chdir(REPO)
+    base = AutoModelForCausalLM.from_pretrained(os.path.relpath(served_model, REPO), dtype=torch.float32)
+    adapter = lora.write_adapter(
+        lora.attach(base, RANK, 16, lora.DEFAULT_TARGETS, torch.float32), tmp_path, 1
+    )
+    script = str(REPO / "scripts" / "merge_lora.py")
+
+    def merge_lora(*flags: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, script, *flags, "--out", str(tmp_path / "merged")]
+        return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+    r = merge_lora("--adapter", str(adapter))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "merged" / "model.safetensors").exists()
+    refusals = {
+        "--adapter /nowhere/v1: no adapter_config.json": ("--adapter", "/nowhere/v1"),
+        "base model /nowhere/base cannot be loaded": ("--adapter", str(adapter), "--base", "/nowhere/base"),
+    }  # fmt: skip
+    for expected, flags in refusals.items():
+        r = merge_lora(*flags)
+        print(r.stderr)
+        assert r.returncode != 0 and r.stderr.strip().splitlines() == [r.stderr.strip()], r.stderr[-2000:]
+        assert expected in r.stderr
+
+
+def test_a_sync_that_finds_the_disk_full_stops_the_run_in_one_line(tiny_model, tmp_path):
+    """A run keeps every version's directory (docs/lora.md), so a long one fills its disk, and a sync is
+    where it finds out: CheckpointError (the run stops with one line, as for a checkpoint that does not
+    fit) naming the way out, no half-written directory left, the versions before it whole. (It was the
+    OSError's traceback, from the middle of the step.) The disk is full as a 4 KiB file size limit:
+    writes past it fail with EFBIG (Python ignores SIGXFSZ)."""
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    model = lora.attach(base, RANK, 16, lora.DEFAULT_TARGETS, torch.float32)
+    syncer = lora.AdapterSyncer([], model, tmp_path, RANK)
+    lora.write_adapter(model, tmp_path, 1)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+    try:
+        with pytest.raises(CheckpointError, match="could not write the adapter") as e:
+            syncer.sync(None, 2)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    print(e.value)
+    assert "\n" not in str(e.value) and "free space" in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v1"]
+    lora.read_adapter(model, tmp_path / "v1")
