@@ -324,7 +324,7 @@ async def _call(
         return f"Error: bad arguments for {name}: {e}", True
     try:
         result = await fn(**args) if inspect.iscoroutinefunction(fn) else await asyncio.to_thread(fn, **args)
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # a tool running code in-process meets sys.exit() too
         return f"Error: {name} raised {type(e).__name__}: {e}", True
     return str(result), False
 
@@ -411,12 +411,27 @@ async def tool_loop_rollout(ctx: RolloutContext, episode, prompt_ids: list[int])
 RolloutFn = Callable[[RolloutContext, object, list[int]], Awaitable[RolloutCompletion]]
 
 
+def _score(episode, completion: RolloutCompletion) -> float:
+    """The episode's reward (run in a thread). A reward's sys.exit() fails the group as any error does:
+    let through, asyncio ends the event loop with it, and a thread ended by SystemExit prints nothing."""
+    try:
+        return float(episode.reward(completion.messages, completion.tool_calls))
+    except SystemExit as e:
+        raise RuntimeError(f"reward raised SystemExit: {e}") from e
+
+
 # ---------------------------------------------------------------------------------------------------
 # THE WORKER: groups, admission by staleness, a bounded queue to the trainer
 # ---------------------------------------------------------------------------------------------------
 # The admission loop wakes when a group finishes, when the trainer bumps the version or discards a
 # group, and at the latest after this long (for the in-flight accounting: `request_seconds`).
 ADMISSION_BACKSTOP_S = 0.1
+# A dropped group holds its admission slot 0.1 s · 2^(groups dropped in a row before it), at most 30 s,
+# before the next row may start. A fault that fails every request at once (HTTP 400 for every prompt, a
+# server without token ids) otherwise cycled through ~100 rows a second until --batch-timeout, three
+# warnings each, every row counted as used in the checkpoint. Retries of one group do not wait (a server
+# that went away is waited for in VLLMClient), so recovery from an outage is as fast as before.
+GROUP_BACKOFF_S, GROUP_BACKOFF_MAX_S = 0.1, 30.0
 
 
 @dataclass
@@ -491,6 +506,7 @@ class AsyncRolloutWorker:
         self._main: asyncio.Task | None = None
         self._wake = asyncio.Event()  # set from the trainer's thread (through the loop), read by the loop
         self._rows_exhausted = False
+        self._dropped_in_row = 0  # groups dropped since the last one delivered (GROUP_BACKOFF_S)
 
     # --- called from the trainer thread ---------------------------------------------------------------
     def start(self) -> None:
@@ -620,7 +636,9 @@ class AsyncRolloutWorker:
         from the failed attempt survives), then drops it with a counted warning — never kills the worker."""
         for attempt in range(self.group_retries + 1):
             try:
-                return await self._attempt_group(row, admitted_version)
+                group = await self._attempt_group(row, admitted_version)
+                self._dropped_in_row = 0
+                return group
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -636,6 +654,11 @@ class AsyncRolloutWorker:
                 if attempt < self.group_retries:
                     self.stats.groups_retried += 1
                     logger.warning("group failed (attempt %d), retrying: %s", attempt + 1, msg)
+        # Counted failed (which frees the slot) only after the wait; cancelled by stop() meanwhile, the
+        # row is not counted used, and a resume generates it again.
+        backoff_s = GROUP_BACKOFF_S * 2 ** min(self._dropped_in_row, 16)
+        self._dropped_in_row += 1
+        await asyncio.sleep(min(GROUP_BACKOFF_MAX_S, backoff_s))
         self.stats.groups_failed += 1
         self.stats.failed_rows.append(row["_index"])
         logger.warning("group dropped after %d attempts: %s", self.group_retries + 1, self.stats.last_error)
@@ -659,10 +682,7 @@ class AsyncRolloutWorker:
         # Rewards may be slow (math-verify, bounded by envs.verify.DEADLINE_S each) and must not stall
         # other groups' requests; in threads, so the verify pool checks them side by side.
         rewards = await asyncio.gather(
-            *(
-                asyncio.to_thread(lambda ep=ep, c=c: float(ep.reward(c.messages, c.tool_calls)))
-                for ep, c in zip(episodes, completions, strict=True)
-            )
+            *(asyncio.to_thread(_score, ep, c) for ep, c in zip(episodes, completions, strict=True))
         )
         for c, r in zip(completions, rewards, strict=True):
             c.reward = r

@@ -78,6 +78,9 @@ class RolloutProcess:
         self._stats = WorkerStats()
         self._exhausted, self._groups_sent, self._groups_received = False, 0, 0
         self._builds = ctx.Queue()  # the one build, sent once the servers are up
+        # The build carries the dataset's rows, more than a pipe holds: with the child dead before it read
+        # them, the feeder thread waits in that write forever, and our exit would join it (a hang).
+        self._builds.cancel_join_thread()
         self._groups = ctx.Queue()  # bounded by admission, as the thread worker's queue is
         self._reports = ctx.Queue()
         self._version = ctx.Value("q", 0, lock=False)

@@ -7,6 +7,7 @@ import functools
 import json
 import os
 import queue
+import sys
 import threading
 import time
 from pathlib import Path
@@ -504,6 +505,51 @@ def test_run_tool_failures_become_records():
     assert not sync_ok.failed and sync_ok.result == "ran"
 
 
+def test_a_tool_whose_code_calls_exit_is_a_failed_call():
+    """A plain tool that runs the model's code in its own process (`exec`), and the code ends with
+    `sys.exit(main())`, as scripts do: SystemExit is not an Exception, and it went through the tool loop
+    and the group's retries and ended the rollout thread without a word."""
+
+    def python(code: str) -> str:
+        """Run Python code.
+
+        Args:
+            code: the program
+        """
+        exec(code, {})
+        return "ran"
+
+    record = asyncio.run(run_tool({"python": python}, "python", {"code": "import sys; sys.exit(3)"}, None))
+    assert record.failed and record.result == "Error: python raised SystemExit: 3"
+
+
+def test_a_reward_that_calls_exit_drops_the_group_not_the_worker(tokenizer, monkeypatch):
+    """The same for a reward (a verifier that gives up with sys.exit()): the group is dropped with the
+    cause named, as for any reward error, and the worker goes on. Before, asyncio let SystemExit out of
+    the event loop: the worker thread ended without a word and the trainer waited out --batch-timeout."""
+    env = load_env("math")
+    make_episode = env.make_episode
+
+    def exiting_episode(row):
+        episode = make_episode(row)
+        episode.reward = lambda messages, tool_calls: sys.exit("verifier gave up")
+        return episode
+
+    monkeypatch.setattr(env, "make_episode", exiting_episode)
+    fake = FakeVLLM(["ok"])
+    worker, loop = start_worker_on(fake, tokenizer, group_retries=0)
+    try:
+        deadline = time.monotonic() + 20
+        while worker.stats.groups_failed < 2 and worker.alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+        alive = worker.alive
+    finally:
+        worker.stop()
+        asyncio.run_coroutine_threadsafe(fake.stop(), loop).result(5)
+    assert alive and worker.stats.groups_failed >= 2
+    assert worker.stats.last_error == "RuntimeError: reward raised SystemExit: verifier gave up"
+
+
 # ---------------------------------------------------------------------------------------------------
 # the invariant, by construction
 # ---------------------------------------------------------------------------------------------------
@@ -654,6 +700,8 @@ class FakeVLLM:
         what = self.behaviour.pop(0) if len(self.behaviour) > 1 else self.behaviour[0]
         if what == "503":
             return aiohttp.web.Response(status=503, text="paused")
+        if what == "400":  # what a --vllm-url server with a shorter max_model_len says to every request
+            return aiohttp.web.Response(status=400, text="This model's maximum context length is 512 tokens")
         if what == "hang":
             await asyncio.sleep(3600)
         if what == "drop":  # the connection closes under the request; the server itself stays up
@@ -958,6 +1006,23 @@ def test_failing_group_is_dropped_not_fatal(tokenizer):
     # their rows, for the checkpoint: a failed group counts as used (batches.StreamPosition)
     assert len(set(worker.stats.failed_rows)) == worker.stats.groups_failed
     assert not worker.alive  # stopped by us, not crashed: stop() joined it
+
+
+def test_a_fault_that_fails_every_request_does_not_burn_through_the_rows(tokenizer):
+    """A server that refuses every request at once (HTTP 400: its max_model_len is below --max-context)
+    fails every group in milliseconds. A dropped group holds its admission slot for a while, longer the
+    more were dropped in a row: without that the worker cycled through ~100 rows a second until
+    --batch-timeout, three warnings each, every row counted as used in the checkpoint."""
+    fake = FakeVLLM(["400"])
+    worker, loop = start_worker_on(fake, tokenizer)  # 100 rows, 2 groups in flight
+    try:
+        time.sleep(3.0)
+        failed, requests = worker.stats.groups_failed, fake.requests
+    finally:
+        worker.stop()
+        asyncio.run_coroutine_threadsafe(fake.stop(), loop).result(5)
+    assert failed <= 8 and requests <= 60, (failed, requests)  # unpaced: 100 and 600 (every row)
+    assert "HTTP 400: This model's maximum context length" in worker.stats.last_error
 
 
 # ---------------------------------------------------------------------------------------------------

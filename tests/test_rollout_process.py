@@ -227,3 +227,43 @@ def test_a_stopped_child_delivers_its_last_group_and_report_whole():
     worker.stop(timeout_s=60.0)
     assert not worker.alive and worker._proc.exitcode == 0
     assert worker.stats.failed_rows == list(range(200_000))
+
+
+TRAINER_WHOSE_CHILD_DIED_BEFORE_ITS_BUILD = """
+import functools, os, signal, sys
+sys.path.insert(0, sys.argv[1])
+from rollout_process import RolloutProcess
+from tests.test_rollout_process import _cannot_build_from
+worker = RolloutProcess()
+os.kill(worker._proc.pid, signal.SIGKILL)  # out of memory while the servers start, say
+worker._proc.join(10)
+rows = [{"question": f"{i} + {i}?", "answer": str(2 * i)} for i in range(5000)]  # ~200 KB pickled
+worker.build(functools.partial(_cannot_build_from, rows), lambda: 0, start_version=0)
+worker.stop(timeout_s=1.0)
+print("stopped", flush=True)
+"""
+
+
+def _cannot_build_from(rows, *, expected_version):
+    raise RuntimeError("no tokenizer here")
+
+
+@pytest.mark.timeout(300)
+def test_a_trainer_whose_child_died_before_its_build_still_exits():
+    """The build carries the dataset's rows (the retool set: 160 KB), more than a pipe holds. With the
+    child dead before it read them, the queue's feeder thread waits in that write forever, and Python's
+    exit joined it: the trainer hung after its last line instead of exiting."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", TRAINER_WHOSE_CHILD_DIED_BEFORE_ITS_BUILD, str(REPO)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=150)  # imports take ~20 s on a loaded 2-core machine
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"the trainer did not exit 150 s after it started; it printed: {out[-2000:]!r}")
+    assert proc.returncode == 0 and "stopped" in out, out[-2000:]
