@@ -41,10 +41,16 @@ BARE_TEMPERATURE = 0.5  # the probe's request that states only this: shows defau
 TOP_N = 20
 PROBE_TOKENS = 16  # per seeded probe completion at start-up (4 prompts × 3 kinds of request)
 TWIN_RATIO = 3.0
+PROBE_TIMEOUT_S = 60.0  # per request of a probe (VLLMClient's, retried twice)
 
 
 class FidelityError(RuntimeError):
     pass
+
+
+class ProbeUnanswered(FidelityError):
+    """The probe's request got no response to judge (a timeout, a dropped connection, an abort, HTTP 5xx
+    after retries): at start-up a refusal as any other, after a sync no verdict on the server."""
 
 
 @dataclass
@@ -181,10 +187,12 @@ def probe(
     max_tokens: int = PROBE_TOKENS,
 ) -> dict[str, list[ProbeSample]]:
     """probe_server on one server through a client of its own (the fidelity probe at start-up
-    and after each sync). Raises FidelityError when the server returns no token ids or no logprobs."""
+    and after each sync). Raises FidelityError when the server returns no token ids or no logprobs,
+    ProbeUnanswered when it gives no response."""
+
+    client = VLLMClient([url], model_name, request_timeout_s=PROBE_TIMEOUT_S, max_retries=2)
 
     async def go():
-        client = VLLMClient([url], model_name, request_timeout_s=60.0, max_retries=2)
         await client.open()
         try:
             return await probe_server(client.generate, prompts, sampling, seed, bare, max_tokens)
@@ -194,6 +202,10 @@ def probe(
     try:
         return asyncio.run(go())
     except GenerationError as e:
+        # The client raises from the transport's error when no response came; a response it refuses
+        # (no logprobs, HTTP 4xx) is raised without a cause.
+        if e.__cause__ is not None:
+            raise ProbeUnanswered(f"fidelity probe: {url} did not answer its request ({e})") from e
         raise FidelityError(
             f"fidelity probe: {url} did not return token ids with one logprob each ({e}); the trainer needs "
             "a vLLM server that honours return_token_ids and logprobs (start it with vllm_server.py, or "
@@ -208,7 +220,10 @@ def probe(
 # token, and the answer must be in before the next step's optimizer step (the CPU bench's one-core
 # server at staleness 4, beside a 0.25 s step: 0.33 s, median, for 4 completions of 8 tokens; 0.19 s
 # for these). The re-score is one forward of the eight packed (sampling.rescore). The same ids every
-# sync, so a server that kept its prefix cache over the sync serves them stale KV and is caught.
+# sync, so a server that kept its prefix cache over the sync serves them stale KV and, in fp32, is caught.
+# In bf16 the bound is the mismatch KL, and one update is far below it (tiny-warm, greedy samples: a
+# missed AdamW step at lr 1e-6 is 6e-7 per token, the trainer's bf16 re-score of fp32 samples 3.6e-4):
+# there the check finds gross faults only (another model or checkpoint).
 PER_SYNC_TOKENS, PER_SYNC_PROMPT_TOKENS = 4, 32
 PER_SYNC_PROMPTS = 4  # start-up prompts used, two windows each
 
@@ -304,11 +319,22 @@ class SyncChecks:
             try:
                 gaps.append(prober.verify(url, samples.result()))
                 continue
+            except ProbeUnanswered as e:
+                # No verdict without an answer: one that holds the synced weights but keeps the request
+                # behind its queue of rollouts past the probe's timeout (the rollouts wait up to
+                # --batch-timeout) is not out of step, and one gone since the sync is `heal`'s.
+                print(f"\nstep {step}: {url} could not be checked ({e})", file=sys.stderr, flush=True)
+                continue
             except FidelityError as e:
-                # It died since the sync, or died and was restarted (a fresh server's tag: it has no
-                # transfer group a re-sync could use): `heal`'s to bring back, no verdict on it.
-                if not healthy(url) or weight_tags([url])[url] == "default":
+                # Restarted since the sync (a fresh server's tag): it answered from the base weights and
+                # has no transfer group a re-sync could use: `heal`'s to bring back, no verdict on it.
+                if weight_tags([url])[url] == "default":
                     print(f"\nstep {step}: {url} could not be checked ({e})", file=sys.stderr, flush=True)
+                    continue
+                if not healthy(url):  # the answer is a verdict, but no re-sync reaches it: `heal`'s
+                    self.out_of_step[url, version] = math.inf
+                    why = f"it no longer answers: nothing it sampled on version {version} is trained"
+                    print(f"\nstep {step}: after the sync, {e}; {why}", file=sys.stderr, flush=True)
                     continue
                 print(f"\nstep {step}: after the sync, {e}; re-syncing it", file=sys.stderr, flush=True)
             self.out_of_step[url, version] = math.inf

@@ -20,7 +20,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from chat_format import ChatTemplate
 from envs import episode_maker
 from envs.data import load_rows
-from fidelity import PER_SYNC_TOKENS, FidelityError, SyncChecks, per_sync_prompts, probe, verify_server
+from fidelity import (
+    PER_SYNC_TOKENS,
+    FidelityError,
+    Prober,
+    SyncChecks,
+    per_sync_prompts,
+    probe,
+    verify_server,
+)
 from records import RolloutCompletion, RolloutGroup, TurnRecord
 from rollout import GenerationError, VLLMClient
 from sampling import Sampling
@@ -399,3 +407,67 @@ def test_the_per_sync_windows_are_slices_of_the_start_up_prompts_and_never_empty
         long[-64:-32],
     ]
     assert PER_SYNC_TOKENS * len(per_sync_prompts([long] * 4)) == 32
+
+
+def test_a_check_request_that_gets_no_answer_is_no_verdict_on_a_server_in_step(monkeypatch, capsys):
+    """A server that holds the synced weights (its tag says so, /health answers) but whose queue of
+    rollouts keeps the check's request past the probe's timeout, twice: the rollouts it serves wait up to
+    --batch-timeout, the check gave up after its own timeout. No answer is no verdict (as for a server
+    that died since the sync): it stays in the run, nothing it sampled is dropped. (It was judged out of
+    step on the timeout, re-synced, timed out again and taken out for the rest of the run: with one
+    server, the run stopped.) The real probe and client against a server whose completions never come
+    in time (a real server cannot be made slow on demand)."""
+    from test_weight_sync import FakeServer, fake_syncer
+
+    monkeypatch.setattr("fidelity.PROBE_TIMEOUT_S", 0.5)
+    slow = FakeServer()
+    slow.before_post = lambda path: time.sleep(2.0) if path == "/v1/completions" else None
+    slow.httpd.handle_error = lambda *_: None  # its late answer meets a closed connection: not news
+    syncer, _ = fake_syncer("gloo", [slow])
+    syncer.init()
+    model = torch.nn.Linear(2, 2)
+    syncer.sync(model.named_parameters(), version=1)
+    prober = Prober("m", [list(range(40))], Sampling(), 0, model, False, 1, torch.device("cpu"))
+    checks = SyncChecks(prober, syncer)
+    try:
+        for version in (1, 2):  # called again while it stays slow
+            checks.start(version, version)
+            checks.finish()
+    finally:
+        syncer.close()
+        slow.kill()
+    err = capsys.readouterr().err
+    assert syncer.taken_out == {} and syncer.urls == [slow.url], err
+    assert checks.out_of_step == {} and "could not be checked" in err, err
+
+
+def test_a_server_that_answers_out_of_step_then_stops_answering_has_its_groups_dropped(capsys):
+    """The check's answer shows a server sampling from other weights, and by the time the trainer has
+    re-scored it the server no longer answers (it crashed): no re-sync can reach it, but the answer was
+    a verdict, so what it sampled around the version is not trained; `heal` brings it back. (It was
+    "could not be checked", as for a server that never answered, and its groups were trained.)"""
+    from test_weight_sync import FakeServer, fake_syncer
+
+    crashed = FakeServer()
+    syncer, _ = fake_syncer("gloo", [crashed])
+    syncer.init()
+    model = torch.nn.Linear(2, 2)
+    syncer.sync(model.named_parameters(), version=1)
+
+    def verify(url: str, samples: dict) -> dict:
+        crashed.kill()  # right after its answer came
+        raise FidelityError(
+            f"fidelity probe: {url} samples from another distribution than the trainer scores"
+        )
+
+    prober = SimpleNamespace(sample=lambda url, bare, seed=0: {}, verify=verify, seed=0, model=model,
+                             world_size=1)  # fmt: skip
+    checks = SyncChecks(prober, syncer)
+    try:
+        checks.start(1, 1)
+        checks.finish()
+    finally:
+        syncer.close()
+    err = capsys.readouterr().err
+    assert checks.sampled_out_of_step(_group(0, crashed.url, (1, 1))), err
+    assert syncer.taken_out == {} and syncer.urls == [crashed.url], err
