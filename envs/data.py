@@ -1,10 +1,10 @@
 """Dataset rows for the envs: `load_rows(path_or_name) -> [{"question": str, "answer": str, ...}]`.
 
-Column mapping, first match wins (other columns are kept as they are):
+Column mapping, the first one that holds a value wins (other columns are kept as they are):
 - question <- `question`, `problem`, `prompt`; a `prompt` that is a list of chat messages (DAPO-Math-17k)
   gives its last user message's content.
-- answer <- `answer`, `solution`, `reward_model["ground_truth"]` (DAPO-Math-17k); an answer containing
-  `####` (GSM8K) gives the text after the last `####`, with thousands separators removed; a list of one
+- answer <- `answer`, `solution`, `reward_model["ground_truth"]` (DAPO-Math-17k); an answer ending in
+  `#### <number>` (GSM8K) gives that number, with thousands separators removed; a list of one
   answer gives that answer; a number gives its decimal digits (no exponent).
 A file that is not UTF-8 JSON lines (one object a line), has no rows, or has a row without a question
 or an answer (NaN, pandas' missing value, is none), or whose answer is a longer list or an object,
@@ -16,6 +16,8 @@ import decimal
 import json
 import math
 import os
+
+from envs.math_env import GSM8K_NUMBER
 
 
 def _question(row: dict) -> str | None:
@@ -31,9 +33,12 @@ def _question(row: dict) -> str | None:
 
 def _answer(row: dict) -> str | None:
     """The ground truth as a string; None if missing; ValueError for one no string can stand for."""
-    a = row.get("answer", row.get("solution"))
-    if a is None and isinstance(row.get("reward_model"), dict):
-        a = row["reward_model"].get("ground_truth")
+    ground_truth = (
+        row["reward_model"].get("ground_truth") if isinstance(row.get("reward_model"), dict) else None
+    )
+    # The first column that holds one: a file mixing layouts has every column in every row (parquet,
+    # pandas), the absent ones null or NaN, as `_question` already reads its columns.
+    a = next((c for c in (row.get("answer"), row.get("solution"), ground_truth) if not _missing(c)), None)
     # Some datasets store the ground truth as a list of one; str() would make it "['5']", which no
     # answer ever matches, so every reward would silently be wrong.
     if isinstance(a, list | tuple) and len(a) == 1:
@@ -43,15 +48,21 @@ def _answer(row: dict) -> str | None:
             f"answer is a {type(a).__name__} ({str(a)[:60]}), but the reward compares one answer: give "
             "a string or a number (or a list of exactly one)"
         )
-    # NaN is pandas' missing value (json.dumps writes it `NaN`): no answer, not the answer "nan".
-    if a is None or (isinstance(a, str) and not a.strip()) or (isinstance(a, float) and math.isnan(a)):
+    if _missing(a):
         return None
     # A float as written out, never in an exponent: str(1e-05) is "1e-05", which math-verify reads as
     # Euler's e minus 5 (so 0.00001 would score wrong and e - 5 right).
     a = format(decimal.Decimal(repr(a)), "f") if isinstance(a, float) and math.isfinite(a) else str(a)
-    if "####" in a:  # GSM8K: reasoning, then "#### 72"
-        a = a.rsplit("####", 1)[1].strip().replace(",", "")
-    return a
+    # GSM8K: reasoning, then "#### 72". Only a number counts (as `math_env.last_answer` reads it): in a
+    # worked solution `#### Part (b)` is a markdown heading, and taking the text after it, commas
+    # deleted, turned `\\boxed{(1, 2)}` into `(1 2)`.
+    gsm8k = a.rsplit("####", 1)[1].strip().replace(",", "") if "####" in a else ""
+    return gsm8k if GSM8K_NUMBER.fullmatch(gsm8k) else a
+
+
+def _missing(a: object) -> bool:
+    """None, a blank string, or NaN (pandas' missing value; json.dumps writes it `NaN`), not "nan"."""
+    return a is None or (isinstance(a, str) and not a.strip()) or (isinstance(a, float) and math.isnan(a))
 
 
 def normalize_rows(raw: list[dict]) -> list[dict]:

@@ -47,8 +47,9 @@ def last_boxed(text: Any) -> str | None:
 _ANSWER_LINE = re.compile(r"^[ \t>*_#]*(?:final[ \t]+)?answer[ \t*_]*:([^\n]*)", re.I | re.M)
 _GSM8K_LINE = re.compile(r"####([^\n]*)")
 # GSM8K's answer is a number, and only a number counts: `#### Verification` or `#### 2. Check` is a
-# markdown heading (Qwen writes them after its boxed answer), not an answer that replaces it.
-_GSM8K_NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?(?:/[0-9]+)?")
+# markdown heading (Qwen writes them after its boxed answer), not an answer that replaces it. envs/data.py
+# reads a dataset's `####` ground truth by the same rule.
+GSM8K_NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?(?:/[0-9]+)?")
 
 
 _DELIMITERS = (("$", "$"), ("`", "`"), ("\\[", "\\]"), ("\\(", "\\)"))  # math and code markup
@@ -80,16 +81,22 @@ def last_answer(text: Any) -> str | None:
     if line is not None and (answer := line.group(1).strip(" \t*_")):
         found.append((line.start(), _clean(answer, False)))
     for line in _GSM8K_LINE.finditer(text):  # those that are a number (headings are not): the last wins
-        if _GSM8K_NUMBER.fullmatch(number := _clean(line.group(1), True)):
+        if GSM8K_NUMBER.fullmatch(number := _clean(line.group(1), True)):
             found.append((line.start(), number))
     return max(found)[1] if found else None
 
 
+# LaTeX spacing between digit groups (`4\\,517\\,277`, SI style): a space in the typeset number, which
+# math-verify did not read as one number, so a right answer written so scored wrong.
+_DIGIT_GROUP_SPACE = re.compile(r"(?<=\d)(?:\\[,;: ]|~)(?=\d{3}(?!\d))")
+
+
 def answer_verdict(predicted: str | None, answer: str) -> bool | None:
-    """math-verify equivalence (fractions, LaTeX, 1/2 vs 0.5); False on anything it cannot parse,
-    None when checking overran `envs.verify.DEADLINE_S` (score it wrong, count it)."""
+    """math-verify equivalence (fractions, LaTeX, 1/2 vs 0.5, `10\\,000` vs 10000); False on anything it
+    cannot parse, None when checking overran `envs.verify.DEADLINE_S` (score it wrong, count it)."""
     if predicted is None or len(predicted) > MAX_ANSWER_CHARS:
         return False
+    predicted, answer = _DIGIT_GROUP_SPACE.sub("", predicted), _DIGIT_GROUP_SPACE.sub("", answer)
     if predicted.strip() == answer.strip():
         return True  # fast path, and robust when math-verify cannot parse both sides
     return verify.check(answer, predicted)

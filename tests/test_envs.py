@@ -600,3 +600,55 @@ def test_answer_workers_run_on_the_rollout_cpus(monkeypatch):
         assert os.sched_getaffinity(0) == allowed
     finally:
         os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("env", ["math", "retool"])
+def test_latex_thin_space_digit_groups_are_one_number(env):
+    """`4\\,517\\,277` is how LaTeX groups digits (SI style, and how models trained on it write large
+    results): math-verify read it as something other than 4517277, so a right product scored wrong, in
+    either direction (a dataset's gold written `10\\,000`)."""
+    ep = load_env(env).make_episode({"question": "What is 4821 * 937?", "answer": "4517277"})
+    for written in ["4\\,517\\,277", "4\\;517\\;277", "4\\ 517\\ 277", "4~517~277", "Answer: 4\\,517\\,277"]:
+        text = written if written.startswith("Answer") else f"so \\boxed{{{written}}}"
+        assert ep.reward(final(text), []) == 1.0, written
+    assert ep.reward(final("\\boxed{4\\,517\\,278}"), []) == 0.0
+    gold_grouped = load_env(env).make_episode({"question": "q", "answer": "10\\,000"})
+    assert gold_grouped.reward(final("\\boxed{10000}"), []) == 1.0
+    assert gold_grouped.reward(final("\\boxed{1000}"), []) == 0.0
+    assert answers_match("(1,\\,2)", "(1,2)") and not answers_match("(1,\\,2)", "12")
+
+
+def test_a_markdown_heading_in_a_solution_is_not_a_gsm8k_answer(tmp_path):
+    """Only GSM8K's `#### <number>` is its answer: a worked solution (NuminaMath's `solution`) with a
+    `#### Part (b)` heading became the text after it with every comma deleted, so `\\boxed{(1, 2)}` in
+    the gold read `(1 2)` and the right answer scored wrong."""
+    solution = "#### Part (a)\nWe find x = 1.\n\n#### Part (b)\nThen y = 2, so the pair is $\\boxed{(1, 2)}$."
+    rows = [
+        {"problem": "Find (x, y).", "solution": solution},
+        {"question": "How many?", "answer": "3 + 4 = 7\n#### 1,072"},
+        {"question": "How much?", "answer": "Half of it.\n#### -3.5"},
+    ]
+    golds = [r["answer"] for r in load_rows(write_jsonl(tmp_path / "s.jsonl", rows))]
+    assert golds == [solution, "1072", "-3.5"]
+    ep = load_env("math").make_episode({"question": "q", "answer": golds[0]})
+    assert ep.reward(final("\\boxed{(1, 2)}"), []) == 1.0
+
+
+def test_a_missing_answer_falls_through_to_the_next_column(tmp_path):
+    """A file mixing layouts (GSM8K rows with `answer`, MATH rows with `solution`) has both columns in
+    every row of a parquet file or a pandas export, the absent one null or NaN: the question fell
+    through to the next column but the answer stopped at the null, refusing the row with "no answer
+    (looked for 'answer', 'solution', ...)" although its solution was there."""
+    path = tmp_path / "mixed.jsonl"
+    path.write_text(
+        '{"question": "1+1?", "answer": "2", "solution": null}\n'
+        '{"problem": "2+2?", "answer": null, "solution": "4"}\n'
+        '{"problem": "3+3?", "answer": NaN, "solution": "6"}\n'
+        '{"problem": "4+4?", "answer": " ", "reward_model": {"ground_truth": "8"}}\n'
+    )
+    assert [(r["question"], r["answer"]) for r in load_rows(str(path))] == [
+        ("1+1?", "2"),
+        ("2+2?", "4"),
+        ("3+3?", "6"),
+        ("4+4?", "8"),
+    ]
