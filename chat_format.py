@@ -11,6 +11,7 @@ import logging
 import re
 from collections.abc import Callable, Sequence
 
+import jinja2
 from tokenizers import Tokenizer
 from transformers.utils import get_json_schema
 
@@ -85,6 +86,14 @@ class ChatTemplate:
             # ends the episode (a template that can write calls keeps answering them "unknown tool").
             logger.info("no tools and the chat template has no usable tool-call format (%s)", e)
             self.format, self.hermes, self._call_end, self.stop_token_ids = "none", False, "", []
+        # Checked with or without tools: without it every prompt and tool turn ends after `<|im_end|>\n`
+        # (no assistant header) and the model generates there, with nothing to say something is wrong.
+        probe = self._probe_conversation()[:2]
+        if self.render(probe, add_generation_prompt=True) == self.render(probe, add_generation_prompt=False):
+            raise ChatTemplateError(
+                "the chat template writes nothing for add_generation_prompt, so prompts and tool turns would "
+                "end without the assistant header. Pass --chat-template PATH with one that writes it"
+            )
         rerendered = self._rerendered_turn()
         if rerendered:
             logger.warning(
@@ -106,9 +115,14 @@ class ChatTemplate:
         self.prompt_ids(self._probe_conversation()[:2])  # a template that rewrites content fails here
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tools=self.tools, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=self.tools, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except (jinja2.TemplateError, ValueError) as e:  # ValueError: a tokenizer with no template at all
+            raise ChatTemplateError(
+                f"the chat template does not render ({e}). Pass --chat-template PATH with one that does"
+            ) from e
 
     def encode_plain(self, text: str) -> list[int]:
         """`text` as plain text: normalizer, pre-tokenizer and BPE, but no added tokens — a tool that
@@ -125,10 +139,12 @@ class ChatTemplate:
         # Some templates trim content (Llama-3.1's user turns) or write it as a JSON string (gpt-oss's
         # tool results).
         for transform in (str, str.strip, lambda c: json.dumps(c, ensure_ascii=False)[1:-1]):
-            texts = list(pieces)
-            for k in range(0, len(texts), 2):
-                for i, c in enumerate(contents):
-                    texts[k] = texts[k].replace(_SENTINEL.format(i), transform(c))
+            # One pass: a content holding another's sentinel characters is never substituted again.
+            written = [transform(c) for c in contents]
+            texts = [
+                p if k % 2 else _SENTINELS.sub(lambda m, w=written: w[int(m.group(1))], p)
+                for k, p in enumerate(pieces)
+            ]
             if "".join(texts) == rendered:
                 break
         else:
@@ -317,6 +333,7 @@ class ChatTemplate:
 
 
 _SENTINEL = "\ue000{}\ue001"  # private-use characters: no template or tokenizer treats them specially
+_SENTINELS = re.compile("\ue000([0-9]+)\ue001")
 
 
 def _without_added_tokens(backend: Tokenizer) -> Tokenizer:

@@ -222,6 +222,43 @@ def test_a_template_without_tool_calls_serves_a_tool_free_env_only():
         ChatTemplate(plain, make_episode({"question": "q", "answer": "1"}).tools)
 
 
+@pytest.mark.parametrize("tools", [False, True], ids=["no_tools", "tools"])
+def test_a_template_that_ignores_add_generation_prompt_is_refused(tools):
+    """A --chat-template without `{% if add_generation_prompt %}` renders the prompt and the tool-turn
+    suffix without the assistant header: every turn would be generated after `<|im_end|>\n`. Refused at
+    start-up, in one ChatTemplateError naming --chat-template, whether or not the env has tools."""
+    plain = AutoTokenizer.from_pretrained(MODEL)
+    plain.chat_template = plain.chat_template.replace("{%- if add_generation_prompt %}", "{%- if false %}")
+    env_tools = make_episode({"question": "q", "answer": "1"}).tools if tools else None
+    with pytest.raises(ChatTemplateError, match="add_generation_prompt.*--chat-template"):
+        ChatTemplate(plain, env_tools)
+
+
+@pytest.mark.parametrize("tools", [False, True], ids=["no_tools", "tools"])
+def test_a_template_that_does_not_render_is_a_chat_template_error(tools):
+    """A --chat-template with a jinja error is the one error type the trainer reports in a line, with or
+    without tools (without, the jinja exception escaped as a traceback)."""
+    broken = AutoTokenizer.from_pretrained(MODEL)
+    broken.chat_template = "{% for m in messages %}{{ m.content }}"  # no endfor
+    env_tools = make_episode({"question": "q", "answer": "1"}).tools if tools else None
+    with pytest.raises(ChatTemplateError, match="endfor.*--chat-template"):
+        ChatTemplate(broken, env_tools)
+
+
+def test_tool_output_holding_a_content_sentinel_is_plain_text(tok):
+    """Tool output is substituted for its sentinel in one pass: output that happens to hold the next
+    message's sentinel (private-use characters a program can print) is not replaced a second time,
+    which made the render look rewritten and failed the group."""
+    template = ChatTemplate(tok, make_episode({"question": "q", "answer": "1"}).tools)
+    first, second = "\ue0001\ue001 printed", "B"
+    messages = [{"role": "tool", "name": "code_interpreter", "content": c} for c in (first, second)]
+    suffix = template.tool_response_ids(messages)
+    assert tok.decode(suffix) == (
+        f"<|im_end|>\n<|im_start|>user\n<tool_response>\n{first}\n</tool_response>\n<tool_response>\n"
+        f"{second}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
 def test_a_tool_free_env_on_a_template_with_tool_calls_still_parses_them(tok):
     """Unchanged for a template that writes calls: a stray call is parsed (the worker answers it
     "unknown tool"), and generation stops at `</tool_call>`."""
