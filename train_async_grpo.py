@@ -68,7 +68,7 @@ from tqdm import tqdm
 
 import lora
 from batches import BatchTimeout, StreamPosition, batch_sequences, collect_groups
-from chat_format import ChatTemplate
+from chat_format import ChatTemplate, ChatTemplateError
 from checkpoint import (
     RESUMED_FLAGS,
     CheckpointError,
@@ -297,6 +297,7 @@ class Run:
     # An update was applied since the last sync: the model is no longer that version's weights, which a
     # server healed now would get under its tag (--sync-every N > 1: N − 1 steps a sync)
     moved_since_sync: bool = False
+    groups_since_sync: int = 0  # groups trained since the last sync (admission slots of that version)
     row_stream: dict = field(default_factory=dict)  # what `position` indexes: checkpoint.row_stream_identity
     metrics_file: object = None  # metrics.jsonl, appended to
     completions_file: object = None  # completions.jsonl (the rollout viewer's rows), appended to
@@ -421,6 +422,7 @@ def sync_if_due(run: Run) -> dict[str, float]:
     if run.step % run.args.sync_every == 0:
         run.version += 1
         run.moved_since_sync = False  # these weights are the new version's (a server that fails: heal's)
+        run.groups_since_sync = 0
         heal(run, push=False)
         try:
             sync.update(sync_weights(run.syncer, run.model, run.version, run.world_size))
@@ -536,8 +538,6 @@ def shutdown(run: Run, exc: BaseException | None) -> None:
     # A checkpoint that could not be written (a full disk) strikes after the other ranks' part of it.
     between = (KeyboardInterrupt, BatchTimeout, FidelityError, NonFiniteSteps, NonFiniteWeights)
     between_steps = exc is None or isinstance(exc, (*between, WeightSyncError, CheckpointError))
-    if isinstance(exc, BatchTimeout):  # the others are named by main's `except`
-        print(f"\nstopping at step {run.step}: {exc}", file=sys.stderr, flush=True)
     unsaved = False  # the final checkpoint could not be written: the shut-down goes on, then exit 1
     not_saved = (NonFiniteWeights, CheckpointError)  # nothing to save; a full disk, not tried again
     if run.step > run.last_saved and between_steps and not isinstance(exc, not_saved):
@@ -564,7 +564,7 @@ def shutdown(run: Run, exc: BaseException | None) -> None:
 # What ends a run with exit 1, in one line: a refusal at start-up (fidelity, the transfer groups, a server
 # that would not start: with its log's tail), every server out of step after a sync, the non-finite limit
 # (saved already), weights non-finite after a step (nothing synced or saved), a checkpoint that could not
-# be written.
+# be written, no batch within --batch-timeout (then a checkpoint).
 REFUSALS = {
     FidelityError: "refusing to train: {e}",
     WeightSyncError: "weight sync: {e}",
@@ -572,6 +572,7 @@ REFUSALS = {
     NonFiniteWeights: "stopping at step {step}: {e}; nothing synced or saved",
     CheckpointError: "stopping at step {step}: {e}",
     ServerStartError: "{e}",
+    BatchTimeout: "\nstopping at step {step}: {e}",  # after the progress bar's line
 }
 
 
@@ -614,10 +615,20 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(e))
     # sandbox_mode: the sandbox/ keys of the first step's metrics line
     make_episode, sandbox_mode = episode_maker(args.env, args.sandbox_workers, args.unsafe_sandbox, rank)
-    tokenizer, template = load_tokenizer(args, ckpt, make_episode(rows[0]))
+    try:  # a template that cannot serve the rollout: one line, before anything starts
+        tokenizer, template = load_tokenizer(args, ckpt, make_episode(rows[0]))
+    except ChatTemplateError as e:
+        parser.error(
+            f"--chat-template {args.chat_template}: {e}" if args.chat_template else f"{args.model}: {e}"
+        )
     model, ref_model, ckpt_checksum = load_models(args, ckpt, device, world_size)
     optimizer, scheduler = make_optimizer(model, args)
     step, version, position = resume_from(ckpt, model, optimizer, scheduler, rank, world_size, ckpt_checksum)
+    if step >= args.max_steps:  # before any server starts: they would start, then nothing would train
+        parser.error(
+            f"--resume: {ckpt} is at step {step} of --max-steps {args.max_steps}: nothing left to train "
+            "(raise --max-steps to go on)"
+        )
     stop_flag = stop_between_steps(world_size)
     if rank != 0:
         follow_rank0(
@@ -665,8 +676,17 @@ def main(argv: list[str] | None = None) -> None:
             # moved, or they would sample from weights the trainer no longer has.
             applied = int(train["train/optimizer_steps"])
             run.moved_since_sync |= applied > 0
+            run.groups_since_sync += len(groups)
             too_many = run.nonfinite.record(nonfinite, run.step, args.max_nonfinite_steps, applied)
-            sync = dict(NO_SYNC) if nonfinite and not applied else sync_if_due(run)
+            if run.moved_since_sync:
+                sync = sync_if_due(run)
+            else:  # no update applied since the last sync (non-finite steps): nothing to sync
+                sync = dict(NO_SYNC)
+                if run.step % args.sync_every == 0:
+                    # No new version either, and the worker admits by version: these groups give back
+                    # their slots, or after 1 + --max-staleness such versions it admits none, for good.
+                    run.worker.discard(run.groups_since_sync)
+                    run.groups_since_sync = 0
             train["train/nonfinite_steps"] = float(run.nonfinite.total)
 
             # Metrics: one dict per step (fidelity: the start-up probe's on the first line, then the check
@@ -695,7 +715,7 @@ def main(argv: list[str] | None = None) -> None:
         exc, refused = e, True
         line = next(v for k, v in REFUSALS.items() if isinstance(e, k))
         print(line.format(e=e, step=run.step), file=sys.stderr, flush=True)
-    except BaseException as e:  # BatchTimeout, or a crash: shut down, then it propagates
+    except BaseException as e:  # a crash: shut down, then it propagates
         exc = e
         raise
     finally:

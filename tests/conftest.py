@@ -84,6 +84,7 @@ SANDBOX_TESTS = {"test_envs.py::test_code_interpreter", "test_envs.py::test_epis
 SANDBOX_FREE = {  # no sandbox process, in-process (refused, below) or in a trainer they start
     "test_sampling.py", "test_resume.py", "test_weight_sync.py", "test_tokenizer.py", "test_vllm_server.py",
     "test_readme_env.py", "test_gpu_check.py", "test_distributed.py", "test_trainer_perf.py",
+    "test_script.py",
 }  # fmt: skip
 SECOND_STREAM = SANDBOX_FREE | {
     "test_lora.py", "test_viewer.py", "test_multinode.py", "test_fidelity.py", "test_guard.py",

@@ -109,6 +109,10 @@ def test_each_bad_argument_is_one_line_and_no_traceback(tmp_path, tiny_model):
 
     threading.Thread(target=banner, daemon=True).start()
     not_http_url = f"http://127.0.0.1:{not_http.getsockname()[1]}"
+    no_generation_prompt = tmp_path / "no-generation-prompt.jinja"  # every prompt would end after <|im_end|>
+    no_generation_prompt.write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    )
     cases = [  # (extra arguments, exit code, what the line must say)
         (["--model", str(windowed)], 2, "its attention uses a sliding window of 64 tokens (shorter than"),
         (["--model", "/nonexistent"], 2, "--model: /nonexistent does not exist"),
@@ -120,6 +124,11 @@ def test_each_bad_argument_is_one_line_and_no_traceback(tmp_path, tiny_model):
         (["--vllm-url", "http://127.0.0.1:80x"], 2, "--vllm-url: no vLLM server answers at"),
         (["--output-dir", str(tmp_path / "a-file" / "run")], 2, "--output-dir: cannot create"),
         (["--chat-template", str(tmp_path / "nope.jinja")], 2, "--chat-template: "),
+        (
+            ["--chat-template", str(no_generation_prompt), "--env", "math"],
+            2,
+            "writes nothing for add_generation",
+        ),
         (["--dataset", str(tmp_path / "empty.jsonl")], 1, "empty.jsonl: no rows"),
         (["--dataset", str(tmp_path / "garbled.jsonl")], 1, "garbled.jsonl: line 2: not JSON"),
     ]
