@@ -7,11 +7,16 @@ sampler drew from: penalties → temperature → min-p → top-k → top-p → l
 (vllm/v1/sample/sampler.py). The trainer reproduces exactly that for the settings it supports
 (temperature, top-k, top-p) and pins everything else to neutral in every request, so a server that fills
 unset fields from the model's `generation_config.json` (vLLM's default `--generation-config auto`) still
-samples the trainer's distribution. Truncation follows vLLM's rule: top-k keeps every logit ≥ the k-th
-largest (ties kept); top-p, after top-k, drops the ascending-sorted prefix whose cumulative probability
-is ≤ 1 − p and always keeps the largest. The kept set is stored as one threshold per row (keep logits ≥
-it); tokens tied at a top-p boundary are kept here where vLLM's sort may drop some of them — the only
-place the two can differ, and only for exactly equal logits.
+samples the trainer's distribution. Truncation follows the rule of vLLM's PyTorch path (the CPU server's,
+apply_top_k_top_p_pytorch): top-k keeps every logit ≥ the k-th largest (ties kept); top-p, after top-k,
+drops the ascending-sorted prefix whose cumulative probability is ≤ 1 − p and always keeps the largest.
+The kept set is stored as one threshold per row (keep logits ≥ it), so tokens tied at the top-p boundary
+are all kept here where vLLM's sort keeps only as many as the cumulative needs; on CUDA, vLLM 0.32's
+Triton kernel (topk_topp_triton.py) also keeps exactly k of the logits tied at the k-th largest. Exact
+ties are rare in fp32 but common in bf16 logits: on bf16-rounded logits (32 rows of 32,000, an LM-like
+tail) at Qwen's defaults (temperature 0.7, top-p 0.8, top-k 20) 7 rows of 32 keep more tokens here than in
+vLLM's CPU code, every logprob of such a row lower by up to 0.056 nats (mean over rows 0.009; top-p 0.9
+alone: 17 rows of 32, up to 0.011), a downward bias of π_old/μ on those rows.
 """
 
 import hashlib
@@ -322,6 +327,8 @@ def streamed_logprobs(
     """token_logprobs_and_entropy(hidden @ weight.T, targets, ...) without the (N, V) logits: hidden (N, H)
     the final hidden states of the positions that predict `targets` (N,), weight (V, H) the LM head's.
     Differentiable in hidden and weight (entropy: no grad). Returns (logprobs (N,), entropy (N,) or None)."""
+    if not torch.is_grad_enabled():  # no backward will come (π_old, a re-score): pack no kept bits for one
+        hidden, weight = hidden.detach(), weight.detach()
     lp, entropy = _StreamedHead.apply(hidden, weight, targets, sampling, with_entropy, bf16, chunk_logits)
     return lp, (entropy if with_entropy else None)
 

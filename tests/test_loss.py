@@ -380,3 +380,34 @@ def test_masked_positions_contribute_nothing_whatever_their_logprob(norm, junk):
     assert torch.equal(grad[~mask.bool()], torch.zeros(int((mask == 0).sum()), dtype=torch.float64))
     for k in m0:
         assert torch.equal(m[k], m0[k]), k
+
+
+# ---- group_advantages against plain Python ------------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.one_of(st.sampled_from([0.0, 0.1, 0.7, 1.0, -0.9]), st.floats(-100, 100, allow_nan=False)),
+        min_size=1,
+        max_size=16,
+    ),
+    st.booleans(),
+)
+def test_group_advantages_match_a_plain_python_loop(rewards, scale_by_std):
+    """(r − mean) / (population std + 1e-6), or r − mean (--no-scale-rewards), written with the
+    statistics module, exact 0 for a group whose rewards are all equal, G = 1 and G = 2 included."""
+    import statistics
+
+    got = group_advantages(rewards, scale_by_std=scale_by_std)
+    assert got.dtype == torch.float32 and got.shape == (len(rewards),)
+    if len(set(rewards)) == 1:
+        assert torch.equal(got, torch.zeros(len(rewards)))
+        return
+    mean = statistics.fmean(rewards)
+    scale = statistics.pstdev(rewards) + 1e-6 if scale_by_std else 1.0
+    expected = [(r - mean) / scale for r in rewards]
+    assert got.tolist() == pytest.approx(expected, rel=1e-6, abs=1e-5)
+    if len(rewards) == 2 and scale_by_std:  # G = 2: ±1 up to the eps, whatever the two rewards
+        half_gap = abs(rewards[0] - rewards[1]) / 2
+        assert abs(got[0].item()) == pytest.approx(half_gap / (half_gap + 1e-6), rel=1e-6)

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import side_by_side
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
@@ -407,3 +409,115 @@ def test_trainer_refuses_to_start_against_a_generation_config_auto_server(server
     assert len(refusals) == 1 and auto.url in refusals[0], p.stderr[-3000:]
     assert "generation_config" in refusals[0] and "Traceback" not in p.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").read_text().strip()  # no step was taken
+
+
+# ---------------------------------------------------------------------------------------------------
+# ties: logits of a few distinct values (bf16 logits tie often), against vLLM's CPU code and a plain loop
+# ---------------------------------------------------------------------------------------------------
+@st.composite
+def tied_rows(draw):
+    """(logits (N, V) with many exactly equal values, Sampling with truncation)."""
+    vocab, rows = draw(st.integers(2, 40)), draw(st.integers(1, 4))
+    values = draw(st.lists(st.integers(-3, 3), min_size=vocab * rows, max_size=vocab * rows))
+    top_k = draw(st.sampled_from([0, 1, 2, 3, 5, 50]))
+    top_p = draw(st.sampled_from([1.0, 0.99, 0.9, 0.5, 0.2]))
+    if top_k == 0 and top_p == 1.0:
+        top_k = 2
+    temperature = draw(st.sampled_from([1.0, 0.7]))
+    return torch.tensor(values, dtype=torch.float32).view(rows, vocab), Sampling(temperature, top_p, top_k)
+
+
+@settings(max_examples=300, deadline=None)
+@given(tied_rows())
+def test_tied_logits_keep_what_vllms_cpu_sampler_keeps(case):
+    """Top-k ties: every logit equal to the k-th largest is kept, as both of vLLM's CPU paths keep it (top-k
+    alone: the same kept set). Top-p ties: our set holds vLLM's, and the only tokens it adds are tied with
+    the smallest logit it keeps (vLLM's sort drops some of them, which ones left to the sort's order): the
+    one documented difference."""
+    logits, sampling = case
+    vocab = logits.shape[1]
+    ours = ~torch.isinf(processed_logits(logits, sampling))
+    k = torch.full((len(logits),), min(sampling.top_k, vocab)) if sampling.top_k > 0 else None
+    p = torch.full((len(logits),), sampling.top_p) if sampling.top_p < 1 else None
+    smallest_kept = logits.masked_fill(~ours, float("inf")).min(-1, keepdim=True).values
+    for allow_cpu_sync in (True, False):
+        theirs = ~torch.isinf(apply_top_k_top_p_pytorch(logits / sampling.temperature, k, p, allow_cpu_sync))
+        if p is None:
+            assert torch.equal(ours, theirs)
+        assert (ours | ~theirs).all(), "vLLM keeps a token we drop"
+        assert (logits[ours & ~theirs] == smallest_kept.expand_as(logits)[ours & ~theirs]).all()
+
+
+def _plain_logprobs(h, w, targets, sampling):
+    """float64, one row at a time, from the rule: top-k keeps logits ≥ the k-th largest, top-p then drops
+    the ascending prefix of cumulative probability ≤ 1 − p (never the largest) and keeps what ties with the
+    smallest it keeps, and the target always stays in. (logprobs, entropies)."""
+    logprobs, entropies = [], []
+    for row, target in zip(h, targets.tolist()):
+        z = (row @ w.T) / sampling.temperature
+        keep = torch.ones(len(z), dtype=torch.bool)
+        if sampling.top_k > 0:
+            keep &= z >= z.sort(descending=True).values[min(sampling.top_k, len(z)) - 1]
+        if sampling.top_p < 1:
+            ascending = z.masked_fill(~keep, float("-inf")).sort().values
+            cumulative = ascending.softmax(-1).cumsum(-1)
+            first_kept = min(int((cumulative <= 1 - sampling.top_p).sum()), len(z) - 1)
+            keep &= z >= ascending[first_kept]
+        keep |= z >= z[target]
+        lp = torch.log_softmax(z.masked_fill(~keep, float("-inf")), -1)
+        logprobs.append(lp[target])
+        entropies.append(-(lp[keep].exp() * lp[keep]).sum())
+    return torch.stack(logprobs), torch.stack(entropies)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(9, 70),
+    st.integers(1, 12),
+    st.sampled_from(HEAD_SAMPLINGS + [Sampling(1.0, top_k=1), Sampling(0.7, top_p=0.3)]),
+    st.integers(0, 2**31 - 1),
+    st.floats(0.05, 3.0),
+)
+def test_streamed_head_equals_a_plain_float64_loop_with_ties_any_chunk(
+    vocab, rows, sampling, seed, chunk_frac
+):
+    """Logprobs, entropy and both gradients of the streamed head, at any chunk size (one row a chunk,
+    8-column slices, a vocabulary that is no multiple of 8) and with tied logits at the truncation's
+    boundaries (weights of a few values), equal autograd through the plain per-row loop."""
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randint(-2, 3, (rows, 5), generator=gen).double()
+    w = torch.randint(-2, 3, (vocab, 5), generator=gen).double() * 0.5
+    targets = torch.randint(0, vocab, (rows,), generator=gen)
+    weights = torch.randn(rows, generator=gen, dtype=torch.float64)
+    chunk = max(1, int(chunk_frac * rows * vocab))
+    got = _streamed(h, w, targets, sampling, weights, chunk_logits=chunk)
+    h_ref, w_ref = h.clone().requires_grad_(), w.clone().requires_grad_()
+    lp, entropy = _plain_logprobs(h_ref, w_ref, targets, sampling)
+    (lp * weights).sum().backward()
+    for name, g, r in zip(["logprobs", "entropy", "grad hidden", "grad weight"], got,
+                          [lp.detach(), entropy.detach(), h_ref.grad, w_ref.grad]):  # fmt: skip
+        torch.testing.assert_close(g, r, atol=1e-10, rtol=1e-10, msg=name)
+
+
+def test_streamed_head_under_no_grad_keeps_no_bits_for_a_backward():
+    """π_old's pass under --mini-batches and the fidelity re-score run under no_grad with the trained
+    LM head's weight (requires_grad): no backward comes, so no kept set is packed into bits (N · V / 8
+    bytes, 311 MB for a 16k-token micro-batch at Qwen's vocabulary), as for the frozen reference."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Bits(TorchDispatchMode):
+        made = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            Bits.made += sum(isinstance(t, torch.Tensor) and t.dtype == torch.uint8
+                             for t in (out if isinstance(out, (tuple, list)) else [out]))  # fmt: skip
+            return out
+
+    h, w, targets, _ = (t.float() if t.is_floating_point() else t for t in _head_case(n=50))
+    w.requires_grad_()
+    with torch.no_grad(), Bits():
+        lp, _ = streamed_logprobs(h, w, targets, Sampling(0.8, top_p=0.9), chunk_logits=7 * 1000)
+    assert Bits.made == 0
+    lp_grad, _ = streamed_logprobs(h, w, targets, Sampling(0.8, top_p=0.9), chunk_logits=7 * 1000)
+    torch.testing.assert_close(lp, lp_grad.detach(), atol=0, rtol=0)
