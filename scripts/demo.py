@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -82,6 +83,8 @@ def run(env: str, steps: int, out: Path, url: str, args) -> float:
 def load_metrics(path: Path) -> list[dict]:
     """One dict per step (the last line wins for a repeated step), sorted by step."""
     by_step = {}
+    if not path.is_file():  # the trainer exited before it opened the file
+        return []
     for line in path.read_text().splitlines():
         if line.strip():
             m = json.loads(line)
@@ -135,6 +138,16 @@ def plot(lines: list[dict], title: str, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
+    if not (REPO / args.model / "config.json").is_file():  # else vLLM fails ~25 s in, in a traceback
+        sys.exit(
+            f"demo: {args.model}/config.json not found: build the demo's model with `make demo-model` "
+            "(`make demo` does it for you)"
+        )
+    # `kill`/`timeout` (SIGTERM) ended this process alone: the trainer, orphaned, retried against the dead
+    # server until --batch-timeout. As KeyboardInterrupt, subprocess.run kills the trainer and the `with`
+    # stops the server; SIGINT too, which a shell leaves ignored for a background job.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.default_int_handler)
     runs_dir, docs_dir = REPO / args.runs_dir, REPO / args.docs_dir
     docs_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -154,6 +167,8 @@ def main(argv: list[str] | None = None) -> dict:
                 server.wait_healthy(600)
             wall_s = run(env, steps, runs_dir / env, server.url, args)
             lines = load_metrics(runs_dir / env / "metrics.jsonl")
+            if not any("eval/accuracy" in m for m in lines):  # e.g. refused at start-up: nothing to show
+                sys.exit(f"demo: the {env} run logged no held-out eval: the trainer's output above says why")
             summary["runs"][env] = summarize(lines, wall_s)
             tool = "with" if env == "retool" else "without"
             title = f"--env {env} ({tool} the code interpreter), {args.model}"
@@ -180,4 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit("demo: interrupted; its trainer and vLLM server are stopped")

@@ -16,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("metrics", help="metrics.jsonl written by train_async_grpo.py")
+parser.add_argument("metrics", help="metrics.jsonl written by train_async_grpo.py, or the run dir holding it")
 parser.add_argument("--out", default=None, help="output directory (default: plots/ beside the metrics file)")
 parser.add_argument("--keys", nargs="*", default=None, help="only these keys (default: every numeric key)")
 
@@ -54,13 +54,18 @@ def load(path: Path) -> tuple[dict[str, list[tuple[int, float]]], int]:
 
 def main(argv: list[str] | None = None) -> list[Path]:
     args = parser.parse_args(argv)
-    out = Path(args.out) if args.out else Path(args.metrics).parent / "plots"
-    out.mkdir(parents=True, exist_ok=True)
-    series, bad = load(Path(args.metrics))
-    if bad:
-        print(
-            f"plot_metrics: skipped {bad} line(s) of {args.metrics} that are not JSON rows", file=sys.stderr
+    metrics = Path(args.metrics)
+    if metrics.is_dir():  # the run dir, as view_rollouts.py takes it
+        metrics = metrics / "metrics.jsonl"
+    if not metrics.is_file():
+        sys.exit(
+            f"plot_metrics: {metrics} not found: give a training run's --output-dir or its metrics.jsonl"
         )
+    out = Path(args.out) if args.out else metrics.parent / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+    series, bad = load(metrics)
+    if bad:
+        print(f"plot_metrics: skipped {bad} line(s) of {metrics} that are not JSON rows", file=sys.stderr)
     keys = [k for k in series if args.keys is None or k in args.keys]
     by_prefix: dict[str, list[str]] = defaultdict(list)
     for k in keys:

@@ -1,4 +1,5 @@
-"""The held-out eval (evaluate.py) on the real tool loop and client, with the real tiny-warm tokenizer."""
+"""The held-out eval (evaluate.py) on the real tool loop and client, with the real tiny model's tokenizer
+(models/tiny: what `make test-fast` builds)."""
 
 import asyncio
 import math
@@ -22,7 +23,7 @@ def test_rows_that_fail_are_named_on_stderr_and_keep_every_key(capsys):
     with socket.socket() as s:  # a port nothing listens on: connection refused, from the real client
         s.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{s.getsockname()[1]}"
-    template = ChatTemplate(AutoTokenizer.from_pretrained(REPO / "models" / "tiny-warm"))
+    template = ChatTemplate(AutoTokenizer.from_pretrained(REPO / "models" / "tiny"))
     rows = [{"question": "1 + 1?", "answer": "2"}, {"question": "2 + 2?", "answer": "4"}]
     args = SimpleNamespace(
         batch_timeout=5, max_turns=1, max_calls_per_turn=1, max_context=256, sandbox_workers=1

@@ -430,6 +430,7 @@ def test_shutdown_acts_on_the_exception_main_passes(monkeypatch, tmp_path, exc, 
 # ---------------------------------------------------------------------------------------------------
 # A server the trainer launches that never answers: one line with its log's tail, exit 1, nothing left
 # ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # a warm model and a vLLM server (for a second)
 @pytest.mark.timeout(300)
 def test_a_server_that_never_becomes_ready_ends_the_run_in_one_line(tmp_path):
     """--server-timeout 1: no vLLM answers that fast. The run said so in a traceback from inside

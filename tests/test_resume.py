@@ -56,6 +56,7 @@ def test_stream_position_over_random_kills_loses_no_row_and_repeats_none():
         assert not set(consumed) & position.pending
 
 
+@pytest.mark.slow  # a warm model: `make test-fast` builds models/tiny alone
 def test_a_lora_checkpoint_resumed_over_another_base_model_is_refused_in_one_line(tmp_path):
     """A LoRA checkpoint holds the adapter alone: resumed over another --model of the same shapes (tiny and
     tiny-warm) it would load and train on silently. The same base spelled another way resumes; a full

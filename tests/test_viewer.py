@@ -284,7 +284,8 @@ def test_a_row_cut_at_the_token_cap_keeps_every_tool_call():
     c.append_context([105], (ToolCallRecord("code_interpreter", {"code": "1/0"}, "ZeroDivisionError", True),))
     c.add_turn(TurnRecord((106,), (-0.1,), "stop", (0, 0)))
     group = RolloutGroup([], [1, 2], {"_index": 0}, [c, c], [0.0, 0.0], [0.0, 0.0], 0, group_metrics([c, c]))
-    row = trajectory_record(group, 0, 1, AutoTokenizer.from_pretrained(REPO / "models" / "tiny-warm"))
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny")  # what `make test-fast` builds
+    row = trajectory_record(group, 0, 1, tokenizer)
     assert len(row["tokens"]["ids"]) == MAX_LOGGED_TOKENS and row["tokens_dropped"] == 6
     assert [(x["name"], x["failed"], x["turn"]) for x in row["tool_calls"]] == [("code_interpreter", True, 1)]
 
@@ -314,7 +315,7 @@ def test_token_pieces_join_to_the_decoded_text_even_cut_inside_a_character(text)
 
     from metrics import token_pieces
 
-    tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny-warm")
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny")  # what `make test-fast` builds
     ids = tokenizer.encode(text, add_special_tokens=False)
     for cut in (ids, ids[:-1]):
         assert "".join(token_pieces(tokenizer, cut)) == tokenizer.decode(cut)
@@ -334,7 +335,7 @@ def test_a_tool_name_written_as_a_lone_surrogate_still_makes_a_page(tmp_path):
     from records import RolloutCompletion, RolloutGroup, TurnRecord, group_metrics
     from rollout import run_tool
 
-    tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny-warm")
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny")  # what `make test-fast` builds
     template = ChatTemplate(tokenizer)
     text = '<tool_call>\n{"name": "\\ud800", "arguments": {}}\n</tool_call>'
     (name, args, error), *_ = template.parse_tool_calls(text)
