@@ -44,6 +44,17 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written (a full disk); its temp dir is removed, the older ones are whole."""
 
 
+def not_written(kind: str, path: Path, e: BaseException, kept: str) -> CheckpointError:
+    """The one line for a save that failed (a full disk, mostly): what, why, the space left where it
+    was going, what is still whole, and the way out. The caller removes its temp dir first."""
+    free_gb = shutil.disk_usage(next(p for p in (path, *path.parents) if p.exists())).free / 2**30
+    why = f"{type(e).__name__}: {' '.join(str(e).split())}"
+    return CheckpointError(
+        f"could not write the {kind} {path} ({why}; {free_gb:.1f} GiB free there): {kept}; free space, "
+        "then --resume"
+    )
+
+
 def save_checkpoint(
     out_dir: Path, model, tokenizer, optimizer, scheduler, state: dict, rank: int = 0
 ) -> Path:
@@ -87,11 +98,7 @@ def save_checkpoint(
         # A full disk: torch says "unexpected pos …" (a RuntimeError), safetensors "I/O error: …", the
         # rest OSError. Anything else is a bug, and keeps its traceback.
         shutil.rmtree(tmp, ignore_errors=True)
-        free_gb = shutil.disk_usage(out_dir).free / 2**30
-        raise CheckpointError(
-            f"could not write the checkpoint {final} ({type(e).__name__}: {' '.join(str(e).split())}; "
-            f"{free_gb:.1f} GiB free there): older checkpoints are whole; free space, then --resume"
-        ) from e
+        raise not_written("checkpoint", final, e, "older checkpoints are whole") from e
     # Re-saving a step (a run resumed from an older checkpoint): the old one is moved aside whole, then
     # removed; deleted in place, a kill would leave it half-deleted for a bare --resume to take.
     old = final.with_name(f".tmp-old-{final.name}-{os.getpid()}")

@@ -41,7 +41,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
-from checkpoint import CheckpointError
+from checkpoint import not_written
 from vllm_server import vllm_max_lora_rank
 from weight_sync import HTTPStatusError, WeightSyncer, WeightSyncError, _reset_kv, post
 
@@ -174,12 +174,7 @@ def write_adapter(
         model.save_pretrained(tmp, state_dict=whole_adapter(model) if weights is None else weights)
     except (OSError, SafetensorError) as e:  # a full disk: every version's directory is kept (docs/lora.md)
         shutil.rmtree(tmp, ignore_errors=True)
-        free_gb = shutil.disk_usage(root).free / 2**30
-        raise CheckpointError(
-            f"could not write the adapter {path} ({type(e).__name__}: {' '.join(str(e).split())}; "
-            f"{free_gb:.1f} GiB free there): free space (the older versions under {root} can go), "
-            "then --resume"
-        ) from e
+        raise not_written("adapter", path, e, f"the older versions under {root} can go") from e
     (tmp / "README.md").unlink(missing_ok=True)  # peft's model card: no server reads it
     shutil.rmtree(path, ignore_errors=True)  # a resumed run rewrites the versions after its checkpoint
     os.replace(tmp, path)
