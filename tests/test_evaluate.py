@@ -33,4 +33,4 @@ def test_rows_that_fail_are_named_on_stderr_and_keep_every_key(capsys):
                             "eval/failed", "eval/reward_timeouts"}  # fmt: skip
     assert metrics["eval/failed"] == 2.0 and math.isnan(metrics["eval/accuracy"])
     err = capsys.readouterr().err
-    assert "eval: 2 of 2 rows failed, the first: GenerationError: " in err and url in err, err
+    assert "eval: 2 of 2 rows failed, the first: NoResponse: " in err and url in err, err

@@ -263,7 +263,7 @@ def test_the_check_rescores_the_synced_weights_and_no_update_takes_what_a_faulty
     prober = SimpleNamespace(sample=lambda url, bare, seed=0: {}, verify=verify, seed=0, model=model,
                              world_size=world_size)  # fmt: skip
     monkeypatch.setattr(fidelity, "sync_weights", lambda *a, **k: {})  # the re-sync: "bad" stays out
-    monkeypatch.setattr(fidelity, "healthy", lambda url: True)
+    monkeypatch.setattr(fidelity, "weight_tags", lambda urls: dict.fromkeys(urls, "3"))  # it answers
     optimizer, trained = torch.optim.SGD(model.parameters(), lr=1.0), []
     batch = [_group(0, "http://bad", (3, 3)), _group(1, "http://good", (3, 3))]
 
