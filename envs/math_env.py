@@ -91,12 +91,30 @@ def last_answer(text: Any) -> str | None:
 _DIGIT_GROUP_SPACE = re.compile(r"(?<=\d)(?:\\[,;: ]|~)(?=\d{3}(?!\d))")
 
 
+# A plain number in scientific notation (`1e-05`, `2.5E3`), which math-verify read with e as Euler's
+# number (`1e-05` as e - 5, `2e3` as 6e): 0.00001 written 1e-05 scored wrong, and `e-05` right against
+# a gold of 1e-05. Rewritten as LaTeX's `1\times 10^{-5}`: exact, where a decimal would meet
+# math-verify's 6-digit rounding (1e-7 = 2e-7), and as short as written, whatever the exponent.
+_SCIENTIFIC = re.compile(r"\s*([+-]?\d+(?:\.\d+)?)[eE]([+-]?)(\d+)\s*", re.ASCII)
+
+
+def _scientific_as_latex(text: str) -> str:
+    """`text` as `m\\times 10^{k}` when it is a number in scientific notation, else unchanged; `e`,
+    `2e` and `e^{2}` keep Euler's e."""
+    if (number := _SCIENTIFIC.fullmatch(text)) is None:
+        return text
+    mantissa, sign, exponent = number.groups()
+    return f"{mantissa}\\times 10^{{{sign.strip('+')}{exponent.lstrip('0') or '0'}}}"
+
+
 def answer_verdict(predicted: str | None, answer: str) -> bool | None:
-    """math-verify equivalence (fractions, LaTeX, 1/2 vs 0.5, `10\\,000` vs 10000); False on anything it
-    cannot parse, None when checking overran `envs.verify.DEADLINE_S` (score it wrong, count it)."""
+    """math-verify equivalence (fractions, LaTeX, 1/2 vs 0.5, `10\\,000` vs 10000, 1e-5 vs 0.00001);
+    False on anything it cannot parse, None when checking overran `envs.verify.DEADLINE_S` (score it
+    wrong, count it)."""
     if predicted is None or len(predicted) > MAX_ANSWER_CHARS:
         return False
     predicted, answer = _DIGIT_GROUP_SPACE.sub("", predicted), _DIGIT_GROUP_SPACE.sub("", answer)
+    predicted, answer = _scientific_as_latex(predicted), _scientific_as_latex(answer)
     if predicted.strip() == answer.strip():
         return True  # fast path, and robust when math-verify cannot parse both sides
     return verify.check(answer, predicted)

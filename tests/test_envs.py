@@ -180,6 +180,32 @@ def test_reward(env):
     assert strict.reward(final("\\boxed{2}"), []) == -1.0
 
 
+@pytest.mark.parametrize(
+    ("gold", "boxed", "reward"),
+    [
+        ("0.00001", "1e-05", 1.0),
+        ("1e-5", "0.00001", 1.0),
+        ("2e3", "2000", 1.0),
+        ("2000", "2e3", 1.0),
+        ("1.5e-3", "\\frac{3}{2000}", 1.0),
+        ("-1E+2", "-100", 1.0),
+        ("1e-05", "e-05", 0.0),  # e - 5 is not 1e-5
+        ("1e-7", "2e-7", 0.0),  # as a decimal, math-verify's 6-digit rounding called these equal
+        ("2e3", "2e", 0.0),
+        ("e", "e", 1.0),  # Euler's e keeps its meaning: only <number>e<integer> is a number
+        ("e", "2.718281828", 1.0),
+        ("2e", "5.43656365691809", 1.0),
+        ("e^{2}", "e^2", 1.0),
+    ],
+)
+@pytest.mark.parametrize("env", ["retool", "math"])
+def test_scientific_notation_is_a_number_not_eulers_e(env, gold, boxed, reward):
+    """It was read by math-verify as Euler's e: `1e-05` parsed as E - 5 and `2e3` as 6E, so 0.00001
+    written 1e-05 scored wrong against 0.00001, and `e-05` scored right against a gold of 1e-05."""
+    ep = load_env(env).make_episode({"question": "q", "answer": gold})
+    assert ep.reward(final(f"so \\boxed{{{boxed}}}"), []) == reward
+
+
 def test_reward_in_a_thread():
     # math-verify's own timeouts use SIGALRM, which fails off the main thread; ours must not.
     ep = load_env("math").make_episode({"question": "q", "answer": "\\frac{1}{2}"})
