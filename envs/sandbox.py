@@ -90,7 +90,9 @@ _MARKER = "\n\n... [{n} bytes of output omitted] ...\n\n"
 
 @dataclass
 class SandboxResult:
-    output: str  # stdout and stderr interleaved, decoded with errors="replace", middle cut past the cap
+    # stdout and stderr interleaved, decoded with errors="replace"; past the cap, the middle cut out at
+    # UTF-8 character boundaries (`_whole_characters`)
+    output: str
     exit_code: int | None  # the code's exit status; 128+N if killed by signal N; None if it never ran
     timed_out: bool  # killed by the wall-clock timeout
     truncated: bool  # output was longer than max_output_bytes
@@ -800,6 +802,26 @@ def _call_soon(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
         loop.call_soon_threadsafe(callback, *args)
 
 
+def _whole_characters(head: bytes, tail: bytes) -> tuple[bytes, bytes]:
+    """The cap's head and tail less the pieces of a UTF-8 character the cut split: decoded, they would
+    show the model U+FFFD beside the marker. At most 3 bytes go from each side; bytes the code wrote
+    invalid stay, and decode as U+FFFD."""
+    # A lead byte among the head's last 3 whose sequence the cut ended early: 110xxxxx wants 2 bytes,
+    # 1110xxxx 3, 11110xxx 4.
+    for back in range(1, min(3, len(head)) + 1):
+        byte = head[-back]
+        if byte & 0xC0 != 0x80:  # not a continuation byte: the last character's first byte
+            want = 2 if byte & 0xE0 == 0xC0 else 3 if byte & 0xF0 == 0xE0 else 4 if byte & 0xF8 == 0xF0 else 1
+            if want > back:
+                head = head[:-back]
+            break
+    # The tail's leading continuation bytes belong to a character whose start was cut away.
+    skip = 0
+    while skip < min(3, len(tail)) and tail[skip] & 0xC0 == 0x80:
+        skip += 1
+    return head, tail[skip:]
+
+
 def _result(start, output, exit_code, timed_out, error, timeout_s, oom, budget) -> SandboxResult:
     """One result, read the same in every mode and on both paths."""
     head, tail, total = output
@@ -814,13 +836,14 @@ def _result(start, output, exit_code, timed_out, error, timeout_s, oom, budget) 
     elif exit_code is not None and exit_code > 128 and not error:
         error = f"killed by signal {exit_code - 128} ({_signal_name(exit_code - 128)})"
     truncated = total > len(head) + len(tail)
-    out = (
-        head + tail
-        if not truncated
-        else head + _MARKER.format(n=total - len(head) - len(tail)).encode() + tail
-    )
+    if truncated:
+        head, tail = _whole_characters(head, tail)
+        marker = _MARKER.format(n=total - len(head) - len(tail))
+        text = head.decode("utf-8", errors="replace") + marker + tail.decode("utf-8", errors="replace")
+    else:
+        text = (head + tail).decode("utf-8", errors="replace")
     return SandboxResult(
-        output=out.decode("utf-8", errors="replace"),
+        output=text,
         exit_code=exit_code,
         timed_out=timed_out,
         truncated=truncated,

@@ -21,6 +21,7 @@ from envs.sandbox import (
     UID_RANGE,
     Sandbox,
     _maps_ids,
+    _whole_characters,
     isolation_mode,
     run_python,
 )
@@ -197,9 +198,49 @@ def test_huge_output_is_truncated_in_the_middle():
     assert "bytes of output omitted" in r.output
 
 
+@pytest.mark.parametrize("text", ["日本", "é", "😀"])
+def test_truncated_output_is_cut_between_characters(text):
+    """It was cut on bytes: a cut inside a multi-byte character (3-byte "日本" at the head's 8192nd
+    byte; every tail but the 1-byte-aligned one) showed the model U+FFFD beside the marker."""
+    r = run(f"print({text!r} * 50_000)", timeout_s=10)
+    assert r.truncated and r.exit_code == 0
+    assert "\ufffd" not in r.output, "a character split at the cut"
+    assert len(r.output.encode()) < MAX_OUTPUT_BYTES + 200
+    head, tail = r.output.split("\n\n... [")
+    assert len(head.encode()) <= MAX_OUTPUT_BYTES // 2 and len(tail.split("] ...\n\n")[1].encode()) <= (
+        MAX_OUTPUT_BYTES // 2
+    )
+    omitted = int(tail.split(" bytes of output omitted")[0])
+    kept = len(head.encode()) + len(tail.split("] ...\n\n")[1].encode())
+    assert omitted + kept == len(text.encode()) * 50_000 + 1, "the marker's count is the bytes not shown"
+
+
+def test_the_cut_keeps_every_whole_character_at_every_split():
+    """`_whole_characters` at every byte of 1- to 4-byte characters, against a plain rule: the longest
+    head prefix and tail suffix that decode cleanly, and never more than 3 bytes dropped a side."""
+    data = "aé日😀b€𝄞".encode() * 3
+    for cut in range(len(data) + 1):
+        head, tail = _whole_characters(data[:cut], data[cut:])
+        best_head = max(n for n in range(cut + 1) if _decodes(data[:n]))
+        best_tail = max(n for n in range(len(data) - cut + 1) if _decodes(data[len(data) - n :]))
+        assert (len(head), len(tail)) == (best_head, best_tail), cut
+        assert cut - len(head) <= 3 and len(data) - cut - len(tail) <= 3
+
+
+def _decodes(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
 def test_binary_garbage_output_is_decoded():
+    """Invalid bytes the code writes are its output: replaced, not dropped; at the cut as well."""
     r = run("import sys; sys.stdout.buffer.write(bytes(range(256)) * 10)")
     assert r.exit_code == 0 and "\ufffd" in r.output
+    r = run("import sys; sys.stdout.buffer.write(b'\\xff' * 100_000)", timeout_s=10)
+    assert r.truncated and r.output.startswith("\ufffd" * 100) and r.output.endswith("\ufffd" * 100)
 
 
 def test_deep_recursion():
