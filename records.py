@@ -97,9 +97,13 @@ class RolloutCompletion:
                 min(last.model_versions[0], more.model_versions[0]),
                 max(last.model_versions[1], more.model_versions[1]),
             ),
+            # what the environment appended after the continuation (tool responses, template glue)
+            appended_ids=more.appended_ids,  # the open turn had none
+            tool_calls=last.tool_calls + more.tool_calls,
             requests=last.requests + more.requests,
             servers=last.servers + more.servers,
             generation_s=last.generation_s + more.generation_s,
+            tool_s=last.tool_s + more.tool_s,
         )
 
     def append_context(

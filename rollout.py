@@ -19,6 +19,7 @@ on-policy run from the same code.
 """
 
 import asyncio
+import contextvars
 import inspect
 import logging
 import queue
@@ -302,6 +303,13 @@ class RolloutContext:
     max_calls_per_turn: int = 1
 
 
+# A tool call's limit, waiting for a sandbox slot included (the sandbox's own limit, envs.retool's
+# TOOL_TIMEOUT_S = 10 s, is well under it). Past it the call fails like any tool error: a researcher's tool
+# blocked for good (a network call without a timeout) held its rollout, its group and the run until
+# --batch-timeout. An env whose tools take longer sets rollout.TOOL_DEADLINE_S when it is imported.
+TOOL_DEADLINE_S = 120.0
+
+
 async def run_tool(
     tools: dict[str, Callable], name: str, args: dict | str, error: str | None
 ) -> ToolCallRecord:
@@ -327,11 +335,49 @@ async def _call(
         inspect.signature(fn).bind(**args)
     except TypeError as e:
         return f"Error: bad arguments for {name}: {e}", True
+    # An async tool is cancelled at the deadline (one that blocks the loop itself cannot be cut).
+    deadline = asyncio.timeout(TOOL_DEADLINE_S)
     try:
-        result = await fn(**args) if inspect.iscoroutinefunction(fn) else await asyncio.to_thread(fn, **args)
+        async with deadline:
+            result = await (fn(**args) if inspect.iscoroutinefunction(fn) else _in_own_thread(fn, args))
     except (Exception, SystemExit) as e:  # a tool running code in-process meets sys.exit() too
+        if deadline.expired():  # not a TimeoutError the tool raised itself (a socket timeout)
+            return f"Error: {name} did not return within {TOOL_DEADLINE_S:g} s", True
         return f"Error: {name} raised {type(e).__name__}: {e}", True
     return str(result), False
+
+
+def _in_own_thread(fn: Callable, args: dict) -> asyncio.Future:
+    """`fn(**args)` in a daemon thread of its own, as a future of the running loop. Python cannot kill a
+    thread: a sync tool past its deadline is left running, and its thread ends when the tool returns, or
+    never. In the loop's default pool (asyncio.to_thread) such threads took its workers for good
+    (min(32, CPUs + 4)), after which every to_thread (the rewards) and the client's name lookups waited
+    behind them, and the interpreter's exit joined them; a daemon thread of its own does neither."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+    context = contextvars.copy_context()  # as asyncio.to_thread does
+
+    def target() -> None:
+        try:
+            outcome = (context.run(fn, **args), None)
+        except (Exception, SystemExit) as e:
+            outcome = (None, e)
+        try:
+            loop.call_soon_threadsafe(_settle, future, *outcome)
+        except RuntimeError:  # the loop has closed: no one waits for it any more
+            pass
+
+    threading.Thread(target=target, name=f"tool {getattr(fn, '__name__', '?')}", daemon=True).start()
+    return future
+
+
+def _settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:
+    if future.done():  # cancelled meanwhile: the deadline passed, or the rollout was cancelled
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
 
 
 async def tool_loop_rollout(ctx: RolloutContext, episode, prompt_ids: list[int]) -> RolloutCompletion:

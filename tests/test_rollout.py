@@ -26,7 +26,7 @@ from envs import load_env
 from envs.confine import ROLLOUT_CPUS_ENV, parse_cpus
 from envs.data import load_rows
 from envs.sandbox import Sandbox
-from records import STOP_REASONS, RolloutCompletion, TokenAccountingError, TurnRecord
+from records import STOP_REASONS, RolloutCompletion, TokenAccountingError, ToolCallRecord, TurnRecord
 from rollout import (
     AsyncRolloutWorker,
     Generation,
@@ -523,6 +523,65 @@ def test_a_tool_whose_code_calls_exit_is_a_failed_call():
     assert record.failed and record.result == "Error: python raised SystemExit: 3"
 
 
+def test_a_tool_that_never_returns_is_a_failed_call(monkeypatch):
+    """It was awaited without a limit: a researcher's tool blocked in a network call without a timeout
+    held its rollout for good, the group never finished and the run waited out --batch-timeout. A sync
+    tool (run in a thread) and an async one are both cut at rollout.TOOL_DEADLINE_S, and tools stuck
+    past it do not take the threads that rewards (asyncio.to_thread) run in."""
+    monkeypatch.setattr(rollout, "TOOL_DEADLINE_S", 0.5)
+    release = threading.Event()  # ends the threads left behind, with or without the fix
+
+    def fetch(url: str) -> str:
+        """Fetch a page, with no timeout.
+
+        Args:
+            url: the page
+        """
+        release.wait(20)
+        return "late"
+
+    async def afetch(url: str) -> str:
+        """The same, async.
+
+        Args:
+            url: the page
+        """
+        await asyncio.sleep(600)
+        return "late"
+
+    tools = {"fetch": fetch, "afetch": afetch}
+
+    async def go():
+        # more stuck sync calls than the loop's default thread pool has workers (at most 32)
+        calls = [run_tool(tools, "fetch", {"url": str(i)}, None) for i in range(40)]
+        records = await asyncio.gather(run_tool(tools, "afetch", {"url": "x"}, None), *calls)
+        return records, await asyncio.to_thread(lambda: "a reward")
+
+    t0 = time.monotonic()
+    try:
+        records, reward = asyncio.run(asyncio.wait_for(go(), 10))
+    finally:
+        release.set()
+    assert time.monotonic() - t0 < 5 and reward == "a reward"
+    assert records[0].failed and records[0].result == "Error: afetch did not return within 0.5 s"
+    assert all(r.failed and r.result == "Error: fetch did not return within 0.5 s" for r in records[1:])
+
+
+def test_a_tool_raising_timeout_error_itself_is_named_as_raised():
+    """A tool's own TimeoutError (a socket timeout) is its error, not the deadline's."""
+
+    def fetch(url: str) -> str:
+        """Fetch.
+
+        Args:
+            url: the page
+        """
+        raise TimeoutError("timed out")
+
+    record = asyncio.run(run_tool({"fetch": fetch}, "fetch", {"url": "x"}, None))
+    assert record.failed and record.result == "Error: fetch raised TimeoutError: timed out"
+
+
 def test_a_reward_that_calls_exit_drops_the_group_not_the_worker(tokenizer, monkeypatch):
     """The same for a reward (a verifier that gives up with sys.exit()): the group is dropped with the
     cause named, as for any reward error, and the worker goes on. Before, asyncio let SystemExit out of
@@ -577,6 +636,20 @@ def test_records_refuse_misaligned_tokens():
     c.append_context([9])
     with pytest.raises(TokenAccountingError):
         c.continue_turn(TurnRecord((4,), (-0.4,), "stop", (2, 2)))  # the turn was closed by context ids
+
+
+def test_a_continuation_keeps_the_ids_appended_after_it():
+    """It was dropped: `continue_turn` merged a continuation's generated ids but not its `appended_ids`
+    (nor its tool calls), so what a custom rollout appended after it (a tool's output) was in its next
+    prompt but not in the record: the trainer's sequence silently lost tokens the model had read."""
+    c = RolloutCompletion(prompt_len=3, prompt_messages=[])
+    c.add_turn(TurnRecord((1,), (-0.1,), "stop", (0, 0)))
+    call = ToolCallRecord("f", {}, "7", False)
+    more = TurnRecord((3,), (-0.3,), "stop", (0, 1), tool_calls=(call,), appended_ids=(7, 8), tool_s=0.5)
+    c.continue_turn(more)
+    assert c.completion_ids == [1, 3, 7, 8]
+    assert c.behaviour_logprobs == [-0.1, -0.3, 0.0, 0.0] and c.loss_mask == [1, 1, 0, 0]
+    assert c.tool_calls == [call] and c.turns[0].tool_s == 0.5
 
 
 @pytest.mark.parametrize(
