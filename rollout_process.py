@@ -83,10 +83,14 @@ class RolloutProcess:
         self._builds.cancel_join_thread()
         self._groups = ctx.Queue()  # bounded by admission, as the thread worker's queue is
         self._reports = ctx.Queue()
+        # Shared words without a lock: the trainer's thread alone writes them, the child only reads (an
+        # aligned 8-byte word is read and written whole). A lock (a locked Value, an Event's) is taken by
+        # the child to read it, and one it held when it was killed (out of memory) was never released:
+        # the trainer's next discard() or stop() waited on it forever.
         self._version = ctx.Value("q", 0, lock=False)
         self._expected = ctx.Value("q", 0, lock=False)
-        self._discarded = ctx.Value("q", 0)  # += from the trainer thread: locked
-        self._go, self._stopping = ctx.Event(), ctx.Event()
+        self._discarded = ctx.Value("q", 0, lock=False)
+        self._go, self._stopping = ctx.Value("q", 0, lock=False), ctx.Value("q", 0, lock=False)
         shared = (self._version, self._expected, self._discarded, self._go, self._stopping)
         self._proc = ctx.Process(
             target=_child_main,
@@ -118,15 +122,14 @@ class RolloutProcess:
         self.built = True
 
     def start(self) -> None:
-        self._go.set()
+        self._go.value = 1
 
     def set_version(self, version: int) -> None:
         self._expected.value = self._client.expected_version()
         self._version.value = version
 
     def discard(self, n: int = 1) -> None:
-        with self._discarded.get_lock():
-            self._discarded.value += n
+        self._discarded.value += n
 
     def get(self, timeout: float):
         self._read_reports()  # also while the trainer only waits: a dead child must be seen as dead
@@ -160,8 +163,8 @@ class RolloutProcess:
     def stop(self, timeout_s: float = 10.0) -> None:
         """Tell the child to stop (it cancels its requests and tools within its own timeout), keep
         reading its reports meanwhile (a full pipe would block its exit), then kill it if it lingers."""
-        self._stopping.set()
-        self._go.set()
+        self._stopping.value = 1
+        self._go.value = 1
         deadline = time.monotonic() + timeout_s + 5.0
         while self._proc.is_alive() and time.monotonic() < deadline:
             self._read_reports()
@@ -220,16 +223,16 @@ def _child_main(builds, parent_pid: int, groups, reports, shared, stop_timeout_s
             build = builds.get(timeout=0.5)
             break
         except queue.Empty:
-            if stopping.is_set():
+            if stopping.value:
                 return
     worker = build(expected_version=lambda: expected.value)
-    while not go.wait(0.5):
-        pass
-    if stopping.is_set():
+    while not go.value:
+        time.sleep(0.02)
+    if stopping.value:
         return
     worker.start()
     sent, applied_discards, last, t_report = 0, 0, None, 0.0
-    while not stopping.is_set() and worker.alive:
+    while not stopping.value and worker.alive:
         worker.set_version(version.value)
         # Read once: the trainer may add to it while the worker takes these (read again after, those
         # would count as applied and never reach admission).

@@ -201,6 +201,49 @@ def test_a_discard_made_while_the_child_applies_one_is_applied_too():
         worker.stop(timeout_s=5.0)
 
 
+def _build_then_die_holding_the_shared_locks(*, expected_version):
+    """In the child: take every lock it shares with the trainer, as reading a locked value or an event
+    does for an instant on each pass of its loop, and be killed (SIGKILL) in that instant."""
+    import signal
+    import sys
+
+    shared = sys._getframe(1).f_locals["shared"]  # _child_main's: what it shares with the trainer
+    for obj in shared:
+        if hasattr(obj, "get_lock"):  # multiprocessing's Value(lock=True)
+            obj.get_lock().acquire()
+        if hasattr(obj, "_cond"):  # multiprocessing's Event
+            obj._cond.acquire()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.timeout(120)
+def test_a_child_killed_holding_a_shared_lock_does_not_hang_the_trainer():
+    """It was a deadlock: the discard count was a locked shared value and the start/stop flags were
+    multiprocessing events, whose locks the child takes to read them. A child killed (out of memory)
+    in that instant never released the lock, and the trainer's next discard() or stop() waited on it
+    forever. Nothing shared has a lock now: the trainer writes, the child reads."""
+    import threading
+
+    worker = RolloutProcess()
+    worker.build(_build_then_die_holding_the_shared_locks, lambda: 0, start_version=0)
+    worker._proc.join(60)
+    assert not worker.alive
+    done: list = []
+
+    def trainer() -> None:
+        worker.set_version(1)
+        worker.discard(1)
+        done.append("discarded")
+        worker.start()
+        worker.stop(timeout_s=1.0)
+        done.append("stopped")
+
+    caller = threading.Thread(target=trainer, daemon=True)
+    caller.start()
+    caller.join(30)
+    assert done == ["discarded", "stopped"], f"the trainer hung on a lock the killed child held after {done}"
+
+
 class _HugeGroupThenHugeReport(_OneHugeGroup):
     """A worker whose last words are large: its one group fills the pipe, and stopping it records 200k
     failed rows (the final report, ~1 MB pickled, is larger than a pipe holds too)."""
