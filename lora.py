@@ -1,12 +1,13 @@
 """LoRA: the adapter is what is trained and what is synced. This module owns it: attaching a peft LoRA
 to the trainer's model, its adapter-only state, each model version's adapter written as a PEFT
-directory, loading it on the vLLM servers as `v{version}` and unloading versions no request uses any
-more, the start-up check that a server can, and the merge into a full model for serving elsewhere.
+directory, loading it on the vLLM servers as `v{version}`, unloading versions no new request may name
+and deleting their directories once no request can still be using them, the start-up check that a
+server can, and the merge into a full model for serving elsewhere.
 
     model = attach(model, rank=8, alpha=16, targets=DEFAULT_TARGETS, base_dtype=torch.bfloat16)
     path = write_adapter(model, out_dir / "adapters", version)           # ~1 % of the weights' bytes
     for url in urls: load_adapter(url, version, path)                      # requests name "v{version}"
-    for url in urls: unload_versions(url, loaded[url], oldest_in_flight)   # and the dirs: remove_dirs
+    for url in urls: unload_versions(url, loaded[url], oldest_in_flight)   # the dirs: AdapterSyncer's keep_s
 
 Choices, and where they depart from the obvious:
 - One name and one directory per version, never a version loaded "in place" under an old name: vLLM
@@ -16,8 +17,14 @@ Choices, and where they depart from the obvious:
   names its adapter; nothing switches under it). In-place reloads keep the old KV (vLLM warns).
 - vLLM's `/v1/unload_lora_adapter` only drops the name (the route answers 404 for it from then on); the
   weights stay in the engine's LRU cache of `--max-cpu-loras` (= `--max-loras`) adapters, which
-  bounds the server's memory whatever the run's length. So nothing piles up; unloading is what keeps a
-  request from naming a version that is gone.
+  bounds the server's memory whatever the run's length. So nothing piles up there; unloading is what
+  keeps a request from naming a version that is gone.
+- A version's directory outlives its unload by the longest a request may take (`keep_s`), not by a
+  number of versions: the engine reloads an adapter it evicted from its LRU from that path for a request
+  it still holds (a queued or preempted one), and a path that is gone then kills the engine
+  (LoRAAdapterNotFoundError in its step: EngineDeadError, the server down). A request lives at most its
+  client's timeout (vLLM aborts one whose client went: `with_cancellation` on /v1/completions), and how
+  many versions pass meanwhile has no bound: a group over --max-staleness is trained, not dropped.
 - The adapter travels as files: the server reads the directory the trainer wrote. A server on another
   host needs the run's output directory on a shared filesystem at the same path; `check_server` loads a
   probe adapter at start-up and refuses, in one line, a server that cannot read it.
@@ -172,7 +179,7 @@ def write_adapter(
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model.save_pretrained(tmp, state_dict=whole_adapter(model) if weights is None else weights)
-    except (OSError, SafetensorError) as e:  # a full disk: every version's directory is kept (docs/lora.md)
+    except (OSError, SafetensorError) as e:  # a full disk: dirs stay keep_s after their unload (docs/lora.md)
         shutil.rmtree(tmp, ignore_errors=True)
         raise not_written("adapter", path, e, f"the older versions under {root} can go") from e
     (tmp / "README.md").unlink(missing_ok=True)  # peft's model card: no server reads it
@@ -304,6 +311,12 @@ def check_server(url: str, probe_path: Path, rank: int) -> None:
 # ---------------------------------------------------------------------------------------------------
 # THE SYNC: each version's adapter loaded on every server under its own name, no weights sent
 # ---------------------------------------------------------------------------------------------------
+# How long the engine may take to drop a request whose client gave up, on top of the client's own timeout;
+# also at least the per-sync check's request timeout (fidelity.PROBE_TIMEOUT_S, 60 s, asserted in
+# tests/test_lora.py), so a --batch-timeout below that is covered too.
+ABORT_MARGIN_S = 60.0
+
+
 class AdapterSyncer(WeightSyncer):
     """The weight sync of a LoRA run, with WeightSyncer's per-server state (`urls`, `failed`,
     `taken_out`, `version`, out_of_step / rejoin / take_out: a server that fails or restarts is handled
@@ -312,15 +325,25 @@ class AdapterSyncer(WeightSyncer):
     sets the server's weight-version tag (what the rollout client and `out_of_step` read), and unloads
     versions below the previous one: a turn that read the version just before the sync may still send
     a request naming it; a request already sent keeps its adapter through the unload (docs/lora.md).
-    No pause and no KV reset: a new name never shares cached KV with another version. The directories
-    stay, run's end included (a long run fills its disk: docs/lora.md): the engine reloads an adapter it
-    evicted from its LRU from its path while a request still uses it. Under FSDP it runs on rank 0, and
-    each sync gathers the adapter with the other ranks (whole_adapter: they join it from
-    trainer.follow_rank0), heal or not."""
+    No pause and no KV reset: a new name never shares cached KV with another version. A version's
+    directory goes `keep_s` (the clients' `request_timeout_s` + ABORT_MARGIN_S) after no joined server
+    holds it any more: the engine reloads an adapter it evicted from its LRU from its path for a request
+    it still holds, and dies if the path is gone (module docstring); a request sent before the unload is
+    aborted by then, one sent after is refused by name (404: its group restarts). The current version's
+    and every loaded one's stay, and directories an earlier run left (a resume rewrites those it reaches)
+    go `keep_s` after the first sync sees them. Without `request_timeout_s` every directory stays. Under
+    FSDP it runs on rank 0, and each sync gathers the adapter with the other ranks (whole_adapter: they
+    join it from trainer.follow_rank0), heal or not."""
 
-    def __init__(self, urls: list[str], model: PeftModel, root: Path, rank: int):
+    def __init__(
+        self, urls: list[str], model: PeftModel, root: Path, rank: int, request_timeout_s: float | None = None
+    ):
         super().__init__(urls, http_timeout_s=120.0)
         self.model, self.root, self.lora_rank = model, Path(root), rank
+        # request_timeout_s: the longest a request naming an adapter may wait (--batch-timeout: rollouts
+        # and eval); None keeps every directory
+        self.keep_s = None if request_timeout_s is None else request_timeout_s + ABORT_MARGIN_S
+        self.unheld_since: dict[int, float] = {}  # version → monotonic time no joined server held it from
 
     def init(self) -> None:
         """`check_server` for every server (LoRAServerError, one line, for one that cannot), then join.
@@ -385,8 +408,25 @@ class AdapterSyncer(WeightSyncer):
                 failed[u] = str(e)
         self.version = version
         self.failed.update(failed)
+        self.remove_unheld_dirs()
         if failed or not targets:
             detail = "; ".join(f"{u}: {m}" for u, m in failed.items()) or "no server joined"
             raise WeightSyncError(f"adapter sync to version {version} failed ({detail})")
         seconds, mb = time.perf_counter() - t0, adapter_bytes(path) * len(targets) / 1e6
         return {"sync/seconds": seconds, "sync/mb": mb, "sync/mb_per_s": mb / seconds, "sync/adapter": 1.0}
+
+    def remove_unheld_dirs(self) -> list[int]:
+        """Delete the directory of each version that no joined server has held for `keep_s` (the
+        current version's never: a heal loads it); returns those deleted. A failed server still holds
+        what it held; one taken out had its requests aborted (WeightSyncer.take_out)."""
+        if self.keep_s is None:
+            return []
+        held = set().union(*self.groups.values(), {self.version})
+        now = time.monotonic()
+        on_disk = {v for v in map(adapter_version, (d.name for d in self.root.glob("v*"))) if v is not None}
+        self.unheld_since = {v: self.unheld_since.get(v, now) for v in on_disk - held}
+        gone = sorted(v for v, since in self.unheld_since.items() if now - since >= self.keep_s)
+        for v in gone:
+            shutil.rmtree(self.root / adapter_name(v), ignore_errors=True)
+            del self.unheld_since[v]
+        return gone

@@ -517,7 +517,9 @@ def start_syncer(args, urls: list[str], model, out_dir: Path, on_gpu: bool, serv
         )  # fmt: skip
         syncer.init()
         return syncer
-    syncer = lora.AdapterSyncer(urls, model, out_dir / "adapters", args.lora_rank)
+    syncer = lora.AdapterSyncer(  # adapter dirs go --batch-timeout + 60 s after their unload (docs/lora.md)
+        urls, model, out_dir / "adapters", args.lora_rank, request_timeout_s=args.batch_timeout
+    )
     try:
         syncer.init()
     except lora.LoRAServerError as e:

@@ -2,9 +2,11 @@
 lora_rank) and real peft: the server samples exactly the trainer's adapter (fp32 bound), each request
 gets the version it names, a new version replaces the old one and the old one is unloaded, the prefix
 cache never serves KV computed under another adapter, a server holding the wrong adapter is caught by
-the fidelity check, a server that cannot load adapters is refused in one line, and the merged model
-scores what the server samples with the unmerged adapter."""
+the fidelity check, a server that cannot load adapters is refused in one line, the merged model
+scores what the server samples with the unmerged adapter, and a version's directory goes once no
+request can use it (a request naming it then is refused by name)."""
 
+import asyncio
 import json
 import os
 import resource
@@ -23,13 +25,16 @@ from conftest import side_by_side, wait_for
 from peft import set_peft_model_state_dict
 from safetensors.torch import load_file
 from test_fidelity import _prompts
+from test_weight_sync import FakeServer
 from transformers import AutoModelForCausalLM
 
 import lora
 from checkpoint import CheckpointError, param_checksum
-from fidelity import FP32_MAX_ABS_DIFF, FidelityError, probe, verify_server
+from fidelity import FP32_MAX_ABS_DIFF, PROBE_TIMEOUT_S, FidelityError, probe, verify_server
+from rollout import GenerationError, VLLMClient
 from sampling import Sampling
 from vllm_server import served_model_name, vllm_max_lora_rank
+from weight_sync import WeightSyncError
 
 REPO = Path(__file__).resolve().parent.parent
 CPU = torch.device("cpu")
@@ -434,11 +439,11 @@ def test_merge_lora_finds_a_relative_base_from_any_directory_and_refuses_bad_pat
 
 
 def test_a_sync_that_finds_the_disk_full_stops_the_run_in_one_line(tiny_model, tmp_path):
-    """A run keeps every version's directory (docs/lora.md), so a long one fills its disk, and a sync is
-    where it finds out: CheckpointError (the run stops with one line, as for a checkpoint that does not
-    fit) naming the way out, no half-written directory left, the versions before it whole. (It was the
-    OSError's traceback, from the middle of the step.) The disk is full as a 4 KiB file size limit:
-    writes past it fail with EFBIG (Python ignores SIGXFSZ)."""
+    """A run keeps each version's directory until no request can use it (docs/lora.md), so a disk too
+    small for those fills, and a sync is where it finds out: CheckpointError (the run stops with one
+    line, as for a checkpoint that does not fit) naming the way out, no half-written directory left,
+    the versions before it whole. (It was the OSError's traceback, from the middle of the step.) The
+    disk is full as a 4 KiB file size limit: writes past it fail with EFBIG (Python ignores SIGXFSZ)."""
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     model = lora.attach(base, RANK, 16, lora.DEFAULT_TARGETS, torch.float32)
     syncer = lora.AdapterSyncer([], model, tmp_path, RANK)
@@ -454,3 +459,81 @@ def test_a_sync_that_finds_the_disk_full_stops_the_run_in_one_line(tiny_model, t
     assert "\n" not in str(e.value) and "free space" in str(e.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v1"]
     lora.read_adapter(model, tmp_path / "v1")
+
+
+def test_a_versions_directory_goes_once_no_request_can_use_it(tiny_model, tmp_path):
+    """It was: every version's directory kept for the whole run (Qwen2.5-7B at rank 8: 81 MB a sync), so a
+    long run filled its disk and stopped. A directory now goes `keep_s` (the request timeout +
+    ABORT_MARGIN_S) after no joined server holds its version, not a count of versions later: until then a
+    request the engine holds may need it (an adapter evicted from the engine's LRU is reloaded from its
+    path, and a missing path kills the engine). Syncs over real HTTP to two servers (FakeServer answers
+    the adapter routes): nothing goes before keep_s; then the unloaded versions and the one a killed run
+    left behind go, the versions a server that failed its syncs still holds stay, and the current ones."""
+    servers = [FakeServer(), FakeServer()]
+    urls = [s.url for s in servers]
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    model = lora.attach(base, RANK, 16, lora.DEFAULT_TARGETS, torch.float32)
+    # a killed run's later version, left behind (a resume rewrites it if it gets that far)
+    lora.write_adapter(model, tmp_path, 9)
+    syncer = lora.AdapterSyncer(urls, model, tmp_path, RANK, request_timeout_s=600)
+    syncer.join(urls)  # the fakes hold no adapter (their /v1/models lists none)
+    assert syncer.keep_s == 660 and lora.ABORT_MARGIN_S >= PROBE_TIMEOUT_S  # the probe's requests too
+
+    def on_disk() -> list[int]:
+        return sorted(lora.adapter_version(p.name) for p in tmp_path.iterdir())
+
+    def later() -> None:  # keep_s passes: the times the syncer saw each version unheld move back by it
+        syncer.unheld_since = {v: t - syncer.keep_s for v, t in syncer.unheld_since.items()}
+
+    for version in range(1, 5):
+        syncer.sync(None, version)
+    assert syncer.groups == {urls[0]: {3, 4}, urls[1]: {3, 4}}  # unloaded below the previous version
+    assert on_disk() == [1, 2, 3, 4, 9]  # but a request sent before the unload may still need v1, v2
+    servers[1].fail = ("/",)  # the second server fails its syncs from here: it keeps v3, v4 loaded
+    with pytest.raises(WeightSyncError, match=urls[1]):
+        syncer.sync(None, 5)
+    later()
+    with pytest.raises(WeightSyncError, match=urls[1]):
+        syncer.sync(None, 6)
+    assert syncer.groups == {urls[0]: {5, 6}, urls[1]: {3, 4}}
+    assert on_disk() == [3, 4, 5, 6]  # v1, v2 and the killed run's v9 gone; v3, v4 still loaded there
+    servers[1].fail = ()
+    syncer.sync(None, 7)  # it unloads v3, v4: they go keep_s from now, with v5
+    assert on_disk() == [3, 4, 5, 6, 7]
+    later()
+    syncer.sync(None, 8)
+    assert on_disk() == [6, 7, 8] and syncer.groups == {urls[0]: {7, 8}, urls[1]: {7, 8}}
+    assert servers[0].calls.count("/v1/unload_lora_adapter") == 6  # v1 … v6
+    lora.read_adapter(model, tmp_path / "v8")
+
+
+def test_a_request_naming_a_removed_version_is_refused_and_the_server_lives(servers, adapters, tmp_path):
+    """What a rollout meets when it names a version whose directory went: the name was unloaded before
+    (a directory goes only keep_s after no server holds its version), so the real server refuses it by
+    name (404, a GenerationError: its group restarts on the current version) and goes on serving. Had
+    the name still been loaded, the engine would reload the evicted adapter from the missing path and
+    die (EngineDeadError: docs/lora.md). Versions 101-104 through three adapter slots: v101's adapter
+    is evicted from the engine too."""
+    url = servers[0].url
+    model, states, _ = adapters
+    set_peft_model_state_dict(model, states[2])
+    syncer = lora.AdapterSyncer([url], model, tmp_path, RANK, request_timeout_s=0)
+    syncer.join([url])
+    for version in (101, 102, 103):
+        syncer.sync(None, version)
+    syncer.unheld_since = {v: t - syncer.keep_s for v, t in syncer.unheld_since.items()}  # keep_s later
+    syncer.sync(None, 104)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v102", "v103", "v104"]
+
+    async def ask(name: str):
+        client = VLLMClient([url], name, request_timeout_s=60)
+        await client.open()
+        try:
+            return await client.generate([1, 2, 3], 4, {"temperature": 1.0})
+        finally:
+            await client.close()
+
+    with pytest.raises(GenerationError, match="HTTP 404.*v101"):
+        asyncio.run(ask(lora.adapter_name(101)))
+    assert len(asyncio.run(ask(lora.adapter_name(104))).ids) == 4
+    lora.unload_versions(url, syncer.groups[url], 105)
