@@ -2,6 +2,7 @@
 
     make demo                      # set-up (venv, tiny models) and then this script
     python scripts/demo.py         # this script alone, once the models exist
+    python scripts/demo.py --update-docs   # refresh the committed figures in docs/ (README shows them)
     python scripts/demo.py --retool-steps 4 --math-steps 2 --eval-limit 8   # a quick smoke run
 
 Two runs of the real trainer (train_async_grpo.py, as subprocesses) on one vLLM server started here (a
@@ -11,9 +12,11 @@ models/tiny-demo, which knows the tool-call format but rarely uses it:
   1. --env retool: the code_interpreter tool is offered;
   2. --env math:   the same problems, no tool.
 Each evaluates greedily on held-out problems at the start, every --eval-every steps and at the end. Then
-a summary table (accuracy and tool-call rate, before → after), docs/demo_summary.json, one figure per
-run (reward, held-out accuracy, tool calls per completion, staleness over steps) in docs/, and the
+a summary table (accuracy and tool-call rate, before → after), demo_summary.json and one figure per run
+(reward, held-out accuracy, tool calls per completion, staleness over steps) in the runs dir, and the
 rollout viewer's page of the retool run (scripts/view_rollouts.py: its logged completions token by token).
+Only --update-docs writes the figures and summary into docs/: they are committed, and a researcher's
+`make demo` must not leave binary diffs in their tree.
 """
 
 import argparse
@@ -40,7 +43,9 @@ from vllm_server import healthy, start_vllm_server  # noqa: E402
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--model", default="models/tiny-demo", help="warm start for both runs")
 parser.add_argument("--runs-dir", default="runs/demo", help="the two runs' output dirs go here (replaced)")
-parser.add_argument("--docs-dir", default="docs", help="figures and demo_summary.json go here")
+parser.add_argument("--figures-dir", help="figures and demo_summary.json go here (default: --runs-dir)")
+parser.add_argument("--update-docs", action="store_true",
+                    help="write them into docs/ instead, over the committed ones (to refresh those)")
 parser.add_argument("--retool-steps", type=int, default=20, help="GRPO steps of the run with the tool")
 parser.add_argument("--math-steps", type=int, default=6, help="GRPO steps of the run without the tool")
 parser.add_argument("--eval-every", type=int, default=5, help="held-out eval every N steps (and start, end)")
@@ -136,6 +141,14 @@ def plot(lines: list[dict], title: str, path: Path) -> None:
     plt.close(fig)
 
 
+def figures_dir(args) -> Path:
+    """Where the figures and demo_summary.json go: the runs dir unless told otherwise. docs/ holds the
+    committed ones (README shows them), so only --update-docs writes there."""
+    if args.update_docs and args.figures_dir:
+        sys.exit("demo: --update-docs writes into docs/; give it or --figures-dir, not both")
+    return REPO / ("docs" if args.update_docs else args.figures_dir or args.runs_dir)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if not (REPO / args.model / "config.json").is_file():  # else vLLM fails ~25 s in, in a traceback
@@ -148,8 +161,8 @@ def main(argv: list[str] | None = None) -> dict:
     # stops the server; SIGINT too, which a shell leaves ignored for a background job.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.default_int_handler)
-    runs_dir, docs_dir = REPO / args.runs_dir, REPO / args.docs_dir
-    docs_dir.mkdir(parents=True, exist_ok=True)
+    runs_dir, out_dir = REPO / args.runs_dir, figures_dir(args)
+    out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     summary = {"model": args.model, "eval_limit": args.eval_limit, "train_args": TRAIN_ARGS, "runs": {}}
     viewer_page = None
@@ -172,11 +185,11 @@ def main(argv: list[str] | None = None) -> dict:
             summary["runs"][env] = summarize(lines, wall_s)
             tool = "with" if env == "retool" else "without"
             title = f"--env {env} ({tool} the code interpreter), {args.model}"
-            plot(lines, title, docs_dir / f"demo_{env}.png")
+            plot(lines, title, out_dir / f"demo_{env}.png")
             if env == "retool":
                 viewer_page = write_viewer_page([str(runs_dir / env)])
     summary["wall_s"] = round(time.monotonic() - t0, 1)
-    (docs_dir / "demo_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out_dir / "demo_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
     # SUMMARY TABLE
     print(f"\nheld-out accuracy and tool-call rate, greedy, {args.eval_limit} problems (before → after)")
@@ -188,7 +201,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"total {summary['wall_s']:.0f} s (server start {summary['server_start_s']:.0f} s, runs "
         + ", ".join(f"{env} {r['wall_s']:.0f} s" for env, r in summary["runs"].items())
-        + f"); figures and demo_summary.json in {docs_dir}"
+        + f"); figures and demo_summary.json in {out_dir}"
+        + ("" if args.update_docs else " (--update-docs: into docs/, over the committed ones)")
     )
     print(f"the retool run's completions, token by token: {viewer_page.resolve()} (open it in a browser)")
     return summary
