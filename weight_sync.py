@@ -36,6 +36,8 @@ rest of the sync; the others complete it and are resumed; then `WeightSyncError`
 server and its phase. The syncer carries on with the survivors; a failed server comes back through
 `out_of_step` → `join` → `sync(..., urls=...)` once it answers again (restarted or not): the servers'
 weight-version tag (`/weight_info`, "default" on a fresh server) tells which ones hold our weights.
+`rejoin` (heal's) joins such a server once, and tries one that cannot join at doubling waits
+(`JOIN_RETRY_S`); a server that answers its join request with an error ends the trainer's wait at once.
 
 Departures from vLLM's own trainer engine (`NCCLTrainerWeightTransferEngine`): several independent
 servers (one gloo group each), pause/resume and the version bump done here, timeouts on everything, and on
@@ -54,7 +56,7 @@ import urllib.parse
 import urllib.request
 from collections import deque
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
@@ -65,6 +67,9 @@ from vllm_server import healthy, is_loopback, route_source
 # nccl: the size of each of vLLM's two packed buffers. gloo: the most bytes either side posts ahead of the
 # piece being sent or loaded (so the receive of the next pieces overlaps the load of this one).
 DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
+# A server that answers but cannot join (or fails the sync right after) is tried again after the first
+# wait, then at doubling waits up to the longest: not at every heal (every 5 s while the trainer waits).
+JOIN_RETRY_S = (10.0, 120.0)
 # gloo: consecutive tensors smaller than this travel as one piece (one broadcast, one small copy); a
 # larger tensor travels alone, straight from its own memory.
 PIECE_BYTES = 1024 * 1024
@@ -72,6 +77,14 @@ PIECE_BYTES = 1024 * 1024
 
 class WeightSyncError(RuntimeError):
     """A sync (or the group set-up) failed; the message names the server(s) and the phase."""
+
+
+class JoinRefused(RuntimeError):
+    """A server answered its join request with an error: it will not dial the group."""
+
+    def __init__(self, url: str, error: BaseException):
+        super().__init__(f"{url} refused to join: {type(error).__name__}: {str(error)[:500]}")
+        self.url = url
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -279,6 +292,21 @@ def _then_done(items: Iterator) -> Iterator:
     yield _DONE
 
 
+def _on_daemon_thread(fn, *args) -> Future:
+    """`fn(*args)` on a daemon thread: a rendezvous left to its timeout (`_await_join`) must not hold up
+    the process's exit, as a ThreadPoolExecutor's thread would."""
+    future: Future = Future()
+
+    def target() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - the caller's to read
+            future.set_exception(e)
+
+    threading.Thread(target=target, daemon=True).start()
+    return future
+
+
 class WeightSyncer:
     """Trainer-side client: owns the transfer group(s) with the server workers, and the version.
 
@@ -333,6 +361,14 @@ class WeightSyncer:
         self.stores: dict = {}  # gloo group -> its TCPStore, which must outlive it
         self.phase_seconds: dict[str, float] = {}  # the last sync's, by phase (bench_weight_sync.py)
         self._tags_ahead: tuple | None = None  # (version when asked, Future of weight_tags): poll_ahead
+        # Servers `rejoin` joined that still wait for the weights (the next sync, or heal's push): their tag
+        # stays "default" until then, and they are not joined again meanwhile (each join is a new group).
+        self.awaiting: set[str] = set()
+        # url -> (monotonic time of its next try, the wait before it) for the servers `rejoin` tried that
+        # no sync has reached since (the join or the push failed): backed off (JOIN_RETRY_S).
+        self.retry: dict[str, tuple[float, float]] = {}
+        self.join_retry_s = JOIN_RETRY_S
+        self.join_failing: set[str] = set()  # their last join failed: named on stderr when it started
 
     def init(self) -> None:
         """Form the transfer group(s) with every server. Raises naming any server that fails."""
@@ -407,13 +443,14 @@ class WeightSyncer:
         pool.shutdown(wait=False)
         # Joined side by side (gloo: one group per server), so one server that cannot join neither costs
         # the others their group nor leaves the groups formed before it holding a store (sockets, threads).
-        jpool = ThreadPoolExecutor(max_workers=len(joins))
-        attempts = [(members, port, jpool.submit(self._join, port, world)) for members, port, world in joins]
-        jpool.shutdown(wait=True)
+        attempts = [
+            (members, port, _on_daemon_thread(self._join, port, world)) for members, port, world in joins
+        ]
         joined, failed = {}, {}
         for members, port, attempt in attempts:
             try:
-                joined.update({u: attempt.result() for u in members})
+                group = self._await_join(attempt, {u: futures[urls.index(u)] for u in members})
+                joined.update({u: group for u in members})
             except Exception as e:  # noqa: BLE001 - named below, after the others joined
                 failed.update({u: (port, e) for u in members})
         errors = _collect(urls, futures, 5 if failed else self.transfer_timeout_s)
@@ -430,14 +467,42 @@ class WeightSyncer:
                 + (f" and reported {errors[u]}" if u in errors else "")
                 for u, (port, _) in failed.items()
             )
+            # A server that answered with an error ended the wait: no timeout was waited out.
+            answered = all(isinstance(why, JoinRefused) for _, why in failed.values())
             raise WeightSyncError(
-                f"init: the servers did not join the {self.backend} transfer group(s) within "
-                f"{self.transfer_timeout_s:.0f} s: {detail} (joined: {', '.join(joined) or 'none'}). Can "
+                f"init: the servers did not join the {self.backend} transfer group(s)"
+                + ("" if answered else f" within {self.transfer_timeout_s:.0f} s")
+                + f": {detail} (joined: {', '.join(joined) or 'none'}). Can "
                 f"they reach {self.master_address}? If not, pass --sync-host with an address of this host "
                 f"they can reach. (Trainer side: {type(e).__name__}: {str(e)[:300]})"
             ) from e
         if errors:
             raise WeightSyncError("init failed: " + "; ".join(f"{u}: {m}" for u, m in errors.items()))
+
+    def _await_join(self, attempt: Future, posts: dict[str, Future]):
+        """The group `attempt` forms (the trainer's end of the rendezvous), or JoinRefused as soon as one
+        of its servers answers its join request (`posts`) with an HTTP error: it will never dial, and the
+        rendezvous would wait for it to the transfer timeout. torch cannot cut a rendezvous short (a
+        TCPStore has no abort; a group has no handle until it is built), so the attempt is left to end
+        at its own timeout on its daemon thread, and whatever it builds then is released."""
+        pending: set[Future] = {attempt, *posts.values()}
+        deadline = time.monotonic() + self.transfer_timeout_s + 5  # the rendezvous' own timeout first
+        while attempt in pending:
+            done, pending = wait(pending, max(0.0, deadline - time.monotonic()), FIRST_COMPLETED)
+            if not done:
+                raise TimeoutError(f"the rendezvous did not end within {self.transfer_timeout_s:.0f} s")
+            for u, post_done in posts.items():
+                # An answer only: a request that timed out leaves a server still at it (the rendezvous
+                # times out with it).
+                refusal = post_done.exception() if post_done in done else None
+                if isinstance(refusal, HTTPStatusError) and not attempt.done():
+                    attempt.add_done_callback(self._release_late)
+                    raise JoinRefused(u, refusal)
+        return attempt.result()
+
+    def _release_late(self, attempt: Future) -> None:
+        if attempt.exception() is None:  # a group formed after all: nobody holds it
+            self._release_groups({attempt.result()})
 
     def out_of_step(self) -> list[str]:
         """Servers that answer but may not hold the trainer's weights: restarted (a new server reports
@@ -488,6 +553,9 @@ class WeightSyncer:
         self.failed.pop(url, None)
         self.stuck.discard(url)
         self.restarting.pop(url, None)
+        self.retry.pop(url, None)
+        self.awaiting.discard(url)
+        self.join_failing.discard(url)
         members = [u for u in self.urls if u in self.groups]
         self._release([url] + (members if self.backend == "nccl" else []))
         for path, body in (
@@ -506,16 +574,35 @@ class WeightSyncer:
 
     def rejoin(self) -> list[str]:
         """Give each server that is out of step (restarted, or failed a sync) and answers a new transfer
-        group. Returns those that joined: they still need the current weights. A server that does not
-        answer is named on stderr and tried again next call."""
-        stale = self.out_of_step()
-        if not stale:
+        group, once: one that joined waits for the weights (the next sync, or the caller's push) without a
+        new group at every call. Returns those that joined: they still need the current weights. One
+        that cannot join (or fails the sync after) is tried again after `join_retry_s[0]` seconds, the
+        wait doubling up to `join_retry_s[1]`; it is named on stderr when it starts failing, not at each
+        try."""
+        stale = [u for u in self.out_of_step() if not (u in self.awaiting and u in self.groups)]
+        now = time.monotonic()
+        due = [u for u in stale if self.retry.get(u, (now, 0.0))[0] <= now]
+        if not due:
             return []
+        first, longest = self.join_retry_s
+        for u in due:  # forgotten once a sync reaches it
+            wait_s = min(longest, 2 * self.retry[u][1]) if u in self.retry else first
+            self.retry[u] = (now + wait_s, wait_s)
         try:
-            self.join(stale)
-        except WeightSyncError as e:  # names a server that did not answer; those that did have joined
-            print(f"weight-transfer group: {e}", file=sys.stderr, flush=True)
-        return [u for u in stale if u in self.groups]
+            self.join(due)
+        except WeightSyncError as e:  # names the servers that did not join; those that did have joined
+            if any(u not in self.groups and u not in self.join_failing for u in due):
+                print(
+                    f"weight-transfer group: {e}. Tried again in {first:.0f} s, then at doubling waits up to "
+                    f"{longest:.0f} s (not named again at each try)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        joined = [u for u in due if u in self.groups]
+        self.join_failing.difference_update(joined)
+        self.join_failing.update(u for u in due if u not in self.groups)
+        self.awaiting.update(joined)
+        return joined
 
     def _worker_init_info(self, port: int, rank_offset: int, world_size: int) -> dict:
         info = dict(master_address=self.master_address, master_port=port, rank_offset=rank_offset)
@@ -627,7 +714,10 @@ class WeightSyncer:
         self.version = version  # what the trainer's weights are now, whoever received them
         for u in ok:
             self.failed.pop(u, None)
+            self.retry.pop(u, None)
+            self.awaiting.discard(u)
         if failed:
+            self.awaiting.difference_update(failed)  # its group is released below: `rejoin` gives a new one
             # Its group is out of step or gone: released (an NCCL one destroyed, which also ends the
             # kernel a timed-out broadcast left queued on the stream); a new one on rejoin.
             self._release(list(failed))

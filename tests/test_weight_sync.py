@@ -387,6 +387,7 @@ class FakeServer:
         self.tag_asks = 0  # GET /weight_info answered
         self.before_tag = lambda: None  # runs before /weight_info answers (a busy engine's step)
         self.before_post = lambda path: None  # runs before a POST is answered (an engine stuck in a receive)
+        self.on_init = lambda init_info: None  # runs inside /init_weight_transfer_engine (a worker joining)
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def log_message(self, *_):
@@ -420,6 +421,7 @@ class FakeServer:
                     return self.answer({"error": "injected"}, 500)
                 if self.path == "/init_weight_transfer_engine":
                     fake.init_ports.append(body["init_info"]["master_port"])
+                    fake.on_init(body["init_info"])
                 if self.path == "/finish_weight_update" and body.get("weight_version") is not None:
                     fake.version = body["weight_version"]
                 if self.path.startswith("/reset_prefix_cache"):
@@ -1163,3 +1165,88 @@ def test_nccl_join_that_one_server_refuses_keeps_no_communicator():
     with pytest.raises(WeightSyncError, match="init failed: " + servers[1].url):
         syncer.join(syncer.urls)
     assert syncer.groups == {} and [c.destroyed for c in comms] == [1]
+
+
+def test_a_server_that_joined_is_not_joined_again_while_it_waits_for_the_next_sync(tmp_path, capsys):
+    """--sync-every 2: a restarted server that joined between two syncs still reports "default" (its
+    weights come with the next sync). It was joined again at every heal (every 5 s while the trainer
+    waits for a batch, with a new group each time and a line on stderr each time); now once."""
+    import train_async_grpo as T
+
+    servers = [FakeServer(), FakeServer()]
+    syncer, comms = fake_syncer("gloo", servers)
+    syncer.init()
+    model = torch.nn.Linear(2, 2)
+    syncer.sync(model.named_parameters(), version=1)
+    (tmp_path / "vllm-logs").mkdir()
+    run = SimpleNamespace(servers=[], out_dir=tmp_path, syncer=syncer, model=model, version=1, world_size=1,
+                          moved_since_sync=True)  # fmt: skip
+    servers[1].version, servers[1].init_ports = "default", []  # restarted
+    for _ in range(5):
+        T.heal(run)
+    assert servers[1].calls.count("/init_weight_transfer_engine") == 2  # init(), then one heal
+    assert capsys.readouterr().err.count("new weight-transfer group") == 1
+    syncer.sync(model.named_parameters(), version=2)  # the next sync reaches it
+    assert [s.version for s in servers] == ["2", "2"]
+    T.heal(run)
+    assert servers[1].calls.count("/init_weight_transfer_engine") == 2 and len(comms) == 3
+
+
+def test_a_server_that_fails_to_join_is_retried_with_a_doubling_backoff_and_named_once(
+    tmp_path, capsys, monkeypatch
+):
+    """A server that answers but cannot join (its /init_weight_transfer_engine fails) was tried again at
+    every heal (every 5 s while the trainer waits for a batch), each try naming it on stderr again. Now:
+    the first try at once, then after 10 s, 20 s, 40 s, … up to 120 s, one line when it starts failing;
+    once it joins, heal names it. The syncer's clock runs 2 s a heal here."""
+    import train_async_grpo as T
+
+    servers = [FakeServer(), FakeServer(fail=("/init_weight_transfer_engine",))]
+    syncer, _ = fake_syncer("gloo", servers)
+    with pytest.raises(WeightSyncError):
+        syncer.init()
+    model = torch.nn.Linear(2, 2)
+    syncer.sync(model.named_parameters(), version=1)
+    (tmp_path / "vllm-logs").mkdir()
+    run = SimpleNamespace(servers=[], out_dir=tmp_path, syncer=syncer, model=model, version=1, world_size=1,
+                          moved_since_sync=False)  # fmt: skip
+    skew = [0.0]  # seconds the syncer's clock is ahead of the real one
+    clock = {n: getattr(time, n) for n in dir(time) if not n.startswith("_")}
+    monkeypatch.setattr(
+        weight_sync, "time", SimpleNamespace(**clock | {"monotonic": lambda: time.monotonic() + skew[0]})
+    )
+    tries = []
+    servers[1].before_post = lambda path: path.startswith("/init") and tries.append(skew[0])
+    while skew[0] < 400:  # heal called again and again, as in an outage
+        T.heal(run)
+        skew[0] += 2
+    assert [b - a for a, b in zip(tries, tries[1:])] == [10, 20, 40, 80, 120, 120], tries
+    err = capsys.readouterr().err
+    assert err.count(servers[1].url) == 1 and "HTTP 500" in err, err
+    servers[1].fail = ()  # fixed: it joins at its next try and gets the current weights
+    while servers[1].version != "1":
+        assert skew[0] < 600
+        T.heal(run)
+        skew[0] += 2
+    assert f"{servers[1].url}: new weight-transfer group, gets model version 1" in capsys.readouterr().err
+    assert syncer.retry == {} and syncer.awaiting == set() and syncer.join_failing == set()
+
+
+def test_a_server_that_refuses_to_join_costs_its_answer_not_the_transfer_timeout():
+    """A server whose /init_weight_transfer_engine answers an error at once never dials the group, but
+    the trainer waited for it in the real gloo rendezvous for the whole transfer timeout (20 s here;
+    300 s by default, at every heal). Now its answer ends the wait: the server that joins keeps its
+    group, the one that refused is named with its own error, in well under the timeout."""
+    kept = []  # the joined worker's (store, group): they must outlive the test's join
+    servers = [FakeServer(), FakeServer(fail=("/init_weight_transfer_engine",))]
+    servers[0].on_init = lambda info: kept.append(  # as the gloo worker engine: rank 1, answers once joined
+        weight_sync.gloo_group(info["master_address"], info["master_port"], 1, info["world_size"], 20)
+    )
+    syncer = WeightSyncer([s.url for s in servers], backend="gloo", http_timeout_s=5, transfer_timeout_s=20)
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match=f"{servers[1].url}.*HTTP 500") as e:
+        syncer.init()
+    seconds = time.monotonic() - t0
+    print(f"join with one server refusing: {seconds:.2f} s")
+    assert seconds < 5, (seconds, e.value)
+    assert list(syncer.groups) == [servers[0].url] and len(syncer.stores) == 1 and len(kept) == 1
