@@ -10,13 +10,16 @@ unset fields from the model's `generation_config.json` (vLLM's default `--genera
 samples the trainer's distribution. Truncation follows the rule of vLLM's PyTorch path (the CPU server's,
 apply_top_k_top_p_pytorch): top-k keeps every logit ≥ the k-th largest (ties kept); top-p, after top-k,
 drops the ascending-sorted prefix whose cumulative probability is ≤ 1 − p and always keeps the largest.
-The kept set is stored as one threshold per row (keep logits ≥ it), so tokens tied at the top-p boundary
-are all kept here where vLLM's sort keeps only as many as the cumulative needs; on CUDA, vLLM 0.32's
-Triton kernel (topk_topp_triton.py) also keeps exactly k of the logits tied at the k-th largest. Exact
-ties are rare in fp32 but common in bf16 logits: on bf16-rounded logits (32 rows of 32,000, an LM-like
-tail) at Qwen's defaults (temperature 0.7, top-p 0.8, top-k 20) 7 rows of 32 keep more tokens here than in
-vLLM's CPU code, every logprob of such a row lower by up to 0.056 nats (mean over rows 0.009; top-p 0.9
-alone: 17 rows of 32, up to 0.011), a downward bias of π_old/μ on those rows.
+Ties at the top-p boundary (rare in fp32, common in bf16 logits): vLLM's sort keeps only m of the n
+logits tied there, as many as its cumulative sum needs (which ones: the sort's order). Their logits are
+equal, so m alone sets the normaliser, log Z = log(Σ_{l > t} e^l + m e^t), and m is the same whatever the
+order among ties: the trainer counts each tied logit m / n times (_tie_weighted), its gradient spread
+evenly over the n, and a kept tied token has vLLM's logprob t − log Z. Measured on bf16-rounded Gaussian
+logits (σ 3, 32 rows of 32,000) at Qwen's defaults (temperature 0.7, top-p 0.8, top-k 20): keeping every
+tie made 6 rows' logprobs up to 0.058 nats lower than vLLM's CPU sampler's (top-p 0.9 alone: 31 rows, up
+to 0.0025); counting m, every row is within 1.0e-6 nats (fp32). Not matched: on CUDA, vLLM 0.32's Triton
+kernel (topk_topp_triton.py) keeps exactly k of the logits tied at the k-th largest, where its PyTorch
+path and the trainer keep them all.
 """
 
 import hashlib
@@ -74,12 +77,22 @@ def keep_threshold(
     scaled_logits: torch.Tensor, sampling: Sampling, rows_per_chunk: int = 256
 ) -> torch.Tensor:
     """(N,) per row: the smallest logit that top-k / top-p keep (keep logits ≥ it). `scaled_logits` (N, V)
-    are already divided by the temperature. Rows are sorted in chunks: a (T, V) sort of a whole packed
-    micro-batch over a 150k vocabulary would take gigabytes."""
+    are already divided by the temperature."""
+    return _boundary(scaled_logits, sampling, rows_per_chunk)[0]
+
+
+@torch.no_grad()
+def _boundary(
+    scaled_logits: torch.Tensor, sampling: Sampling, rows_per_chunk: int = 256
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per row (N,): keep_threshold, and with top-p the fraction m / n of the n logits tied at it that
+    vLLM keeps (1 where all are; None for top-k alone, which keeps every tie). Rows are sorted in chunks:
+    a (T, V) sort of a whole packed micro-batch over a 150k vocabulary would take gigabytes."""
     n, vocab = scaled_logits.shape
     if sampling.top_p >= 1.0:  # top-k alone: no sort
-        return scaled_logits.topk(min(sampling.top_k, vocab), dim=-1).values[:, -1]
+        return scaled_logits.topk(min(sampling.top_k, vocab), dim=-1).values[:, -1], None
     out = torch.empty(n, dtype=scaled_logits.dtype, device=scaled_logits.device)
+    tie_weight = torch.empty_like(out)
     for start in range(0, n, rows_per_chunk):
         chunk = scaled_logits[start : start + rows_per_chunk]
         ascending = chunk.sort(dim=-1).values  # (c, V)
@@ -88,8 +101,15 @@ def keep_threshold(
             ascending = ascending.masked_fill(ascending < kth, float("-inf"))
         cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
         dropped = (cumulative <= 1 - sampling.top_p).sum(dim=-1).clamp(max=vocab - 1)  # a prefix
-        out[start : start + rows_per_chunk] = ascending.gather(1, dropped[:, None])[:, 0]
-    return out
+        boundary = ascending.gather(1, dropped[:, None])  # (c, 1)
+        out[start : start + rows_per_chunk] = boundary[:, 0]
+        # vLLM keeps the sorted entries from `dropped` on: of those tied with the boundary, all but the ones
+        # above it. Tied values add equal terms to the cumulative sum, so `dropped`, and this count, are the
+        # same whatever order the sort gives the ties.
+        kept_tied = vocab - dropped - (ascending > boundary).sum(dim=-1)  # ≥ 1: the boundary itself
+        tied = (ascending == boundary).sum(dim=-1)
+        tie_weight[start : start + rows_per_chunk] = kept_tied.to(out.dtype) / tied.to(out.dtype)
+    return out, tie_weight
 
 
 def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
@@ -103,19 +123,53 @@ def processed_logits(
 ) -> torch.Tensor:
     """(N, V) logits of the distribution vLLM samples from, in fp32 at least: / temperature, then −inf
     outside the top-k / top-p set. Differentiable in the kept logits. `keep` (N,): a token per row that
-    stays in the kept set whatever the truncation says (see token_logprobs_and_entropy)."""
+    stays in the kept set whatever the truncation says (see token_logprobs_and_entropy). Every logit tied
+    at the top-p boundary stays finite here, where vLLM keeps m of the n: a log_softmax over these counts
+    all n (processed_logprobs counts m)."""
     scaled = logits.to(at_least_fp32(logits.dtype)) / sampling.temperature
     if not sampling.truncates:
         return scaled
-    return scaled.masked_fill(scaled < _threshold(scaled.detach(), sampling, keep)[:, None], float("-inf"))
+    return scaled.masked_fill(scaled < _threshold(scaled.detach(), sampling, keep)[0][:, None], float("-inf"))
 
 
-def _threshold(scaled: torch.Tensor, sampling: Sampling, keep: torch.Tensor | None) -> torch.Tensor:
-    """keep_threshold, lowered where needed so that each row's `keep` token stays in its kept set."""
-    threshold = keep_threshold(scaled, sampling)
+def processed_logprobs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """(N, V) log π of every token under the distribution vLLM samples from: processed_logits minus the
+    log-normaliser of the head (_row_statistics: the logits tied at the top-p boundary counted as many
+    times as vLLM keeps them), so a token vLLM kept has vLLM's processed logprob (a tied one vLLM's sort
+    dropped: the same finite value, −inf there). For the re-score's top dicts."""
+    scaled = logits.to(at_least_fp32(logits.dtype)) / sampling.temperature
+    if not sampling.truncates:
+        return torch.log_softmax(scaled, dim=-1)
+    threshold, tie_log_weight = _threshold(scaled.detach(), sampling, None)
+    scaled = scaled.masked_fill(scaled < threshold[:, None], float("-inf"))
+    return scaled - torch.logsumexp(_tie_weighted(scaled, threshold, tie_log_weight)[0], dim=-1, keepdim=True)
+
+
+def _threshold(
+    scaled: torch.Tensor, sampling: Sampling, keep: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """keep_threshold, lowered where needed so that each row's `keep` token stays in its kept set, and
+    (top-p) per row the log of the fraction of the logits tied at it that the set counts (_boundary's; 0
+    where the threshold was lowered: the set then grows down to `keep`'s logit and keeps every tie)."""
+    threshold, tie_weight = _boundary(scaled, sampling)
     if keep is not None:
-        threshold = torch.minimum(threshold, scaled.gather(1, keep[:, None])[:, 0])
-    return threshold
+        keep_logit = scaled.gather(1, keep[:, None])[:, 0]
+        if tie_weight is not None:
+            tie_weight = torch.where(keep_logit < threshold, 1.0, tie_weight)
+        threshold = torch.minimum(threshold, keep_logit)
+    return threshold, None if tie_weight is None else tie_weight.log()
+
+
+def _tie_weighted(scaled, threshold, tie_log_weight):
+    """(`scaled` with log(m / n) added to the n logits tied at each row's threshold, the tied positions
+    (N, V) bool) or (`scaled`, None) without tie weights. vLLM's top-p keeps m of them; their logits are
+    equal, so the count, not which ones, sets the normaliser: log Z = log(Σ_{l > t} e^l + m e^t). Weighing
+    each of the n by m / n gives that value exactly and spreads its gradient evenly over the tied logits
+    (m / n · e^t / Z each): symmetric, where vLLM's kept m are whichever its sort put last."""
+    if tie_log_weight is None:
+        return scaled, None
+    tied = scaled == threshold[:, None]
+    return scaled + torch.where(tied, tie_log_weight[:, None], 0.0), tied
 
 
 def token_logprobs_and_entropy(
@@ -129,61 +183,80 @@ def token_logprobs_and_entropy(
     and this changes nothing, but in bf16 a token at the nucleus edge can fall just outside the trainer's
     set, and a −inf logprob on a trained token is a NaN step. Kept, it adds that edge token's mass (and
     that of any token between it and the threshold) to the row's normalizer. Prompt and tool tokens
-    (masked) get finite logprobs this way too; the loss ignores whatever is there anyway."""
+    (masked) get finite logprobs this way too; the loss ignores whatever is there anyway.
+
+    Logits tied at the top-p boundary count in the normalizer as many times as vLLM keeps them
+    (_tie_weighted), and a tied target has vLLM's logprob, that of a kept token, e^t / Z."""
     return _logprobs_and_normalizer(logits, targets, sampling, with_entropy, False, _row_statistics)[:2]
 
 
 def _logprobs_and_normalizer(
     logits, targets, sampling: Sampling, with_entropy: bool, keep_bits: bool, statistics
 ):
-    """token_logprobs_and_entropy, and per row the log-normalizer and (`keep_bits`) the kept set as
-    pack_bits' bits: what the streamed head's backward needs to rebuild the distribution a slice of the
-    vocabulary at a time. The truncation's threshold is found here (a sort, or top-k); the rest is
-    `statistics`: _row_statistics, or its compiled form (the head under --compile: compile_head)."""
-    temperature, threshold = sampling.temperature, None
+    """token_logprobs_and_entropy, and per row the log-normalizer, (`keep_bits`) the kept set and the
+    logits tied at the top-p boundary as pack_bits' bits, and the tie's log-weight (_tie_weighted): what
+    the streamed head's backward needs to rebuild the distribution a slice of the vocabulary at a time.
+    The truncation's threshold is found here (a sort, or top-k); the rest is `statistics`:
+    _row_statistics, or its compiled form (the head under --compile: compile_head)."""
+    temperature, threshold, tie_log_weight = sampling.temperature, None, None
     if sampling.truncates:  # the threshold's sort reads the scaled logits, so they are made here, once
         logits = logits.to(at_least_fp32(logits.dtype)) / temperature
-        temperature, threshold = 1.0, _threshold(logits.detach(), sampling, targets)  # x / 1.0 is x
-    return statistics(logits, targets, threshold, temperature, with_entropy, keep_bits)
+        threshold, tie_log_weight = _threshold(logits.detach(), sampling, targets)
+        temperature = 1.0  # x / 1.0 is x
+    out = statistics(logits, targets, threshold, tie_log_weight, temperature, with_entropy, keep_bits)
+    return *out, tie_log_weight
 
 
-def _row_statistics(logits, targets, threshold, temperature: float, with_entropy: bool, keep_bits: bool):
+def _row_statistics(
+    logits, targets, threshold, tie_log_weight, temperature: float, with_entropy: bool, keep_bits: bool
+):
     """From a chunk of rows' logits (N, V) to per-row values: log π(target), the entropy (no grad) or
-    None, the log-normalizer, the kept set's bits or None. `threshold` (N,) or None: logits below it are
-    −inf (off the kept set). Elementwise work and row reductions only: eager, in place where it can be
-    (a few chunk-sized temporaries); compiled, inductor fuses it into a pass or two over the chunk.
-    Differentiable in `logits`."""
+    None, the log-normalizer, the kept set's bits and the tied logits' bits (or None). `threshold` (N,)
+    or None: logits below it are −inf (off the kept set); `tie_log_weight` (N,) or None: the logits equal
+    to it weigh that in the normalizer (_tie_weighted). Elementwise work and row reductions only: eager,
+    in place where it can be (a few chunk-sized temporaries); compiled, inductor fuses it into a pass or
+    two over the chunk. Differentiable in `logits`."""
     scaled = logits.to(at_least_fp32(logits.dtype))
     # x / 1.0 is x: no pass (eager: a chunk copy) for it, nor for logits scaled already
     if temperature != 1.0:
         scaled = scaled / temperature
     if threshold is not None:
         scaled = scaled.masked_fill(scaled < threshold[:, None], float("-inf"))
-    logz = torch.logsumexp(scaled, dim=-1)  # (N,)
+    weighted, tied = _tie_weighted(scaled, threshold, tie_log_weight)
+    logz = torch.logsumexp(weighted, dim=-1)  # (N,)
+    # a tied target's logit unweighted: vLLM kept it, and reports it at e^t / Z
     logprobs = scaled.gather(-1, targets[:, None]).squeeze(-1) - logz
-    entropy = kept = None
+    entropy = kept = tied_bits = None
     with torch.no_grad():
         if with_entropy:
-            probs = (scaled - logz[:, None]).exp_()  # 0 off the kept set
+            probs = (weighted - logz[:, None]).exp_()  # 0 off the kept set; m / n · e^t / Z at a tie
             # 0 · (−inf) is nan: truncated tokens contribute nothing
             entropy = logz - probs.mul_(scaled.masked_fill(probs == 0, 0.0)).sum(-1)
         if keep_bits:
             kept = pack_bits(scaled != float("-inf"))
-    return logprobs, entropy, logz.detach(), kept
+            tied_bits = None if tied is None else pack_bits(tied)
+    return logprobs, entropy, logz.detach(), kept, tied_bits
 
 
-def _slice_gradient(logits, logz, g, local_targets, kept, temperature: float, out_dtype: torch.dtype):
+def _slice_gradient(
+    logits, logz, g, local_targets, kept, tied, tie_log_weight, temperature: float, out_dtype: torch.dtype
+):
     """d loss / d logits of one slice of the vocabulary (N, c) over every row: g (1[j = t] − π_j) /
     temperature, π_j = exp(logit_j / temperature − logz) on the kept set (`kept`: the slice's bits, or
-    None), 0 off it; `local_targets` each row's target minus the slice's start (outside [0, c): none
-    here). In `out_dtype`, what autocast's matmul backward sees. `logits`, the caller's temporary, is
-    overwritten where it is already fp32 (a new 128 MiB tensor a slice costs its page faults on CPU)."""
+    None), 0 off it, times m / n (exp of `tie_log_weight` (N,)) on the logits tied at the top-p boundary
+    (`tied`: the slice's bits, or None; _tie_weighted); `local_targets` each row's target minus the
+    slice's start (outside [0, c): none here). In `out_dtype`, what autocast's matmul backward sees.
+    `logits`, the caller's temporary, is overwritten where it is already fp32 (a new 128 MiB tensor a
+    slice costs its page faults on CPU)."""
     grad = logits.to(at_least_fp32(logits.dtype))
     if temperature != 1.0:  # x / 1.0 is x: no pass over the slice for it (here and at the end)
         grad.div_(temperature)
     if kept is not None:
         grad.masked_fill_(~unpack_bits(kept, logits.shape[1]), float("-inf"))
-    grad.sub_(logz[:, None]).exp_().mul_(-g[:, None])  # −g π_j: 0 off the kept set
+    grad.sub_(logz[:, None])
+    if tied is not None:
+        grad.add_(torch.where(unpack_bits(tied, logits.shape[1]), tie_log_weight[:, None], 0.0))
+    grad.exp_().mul_(-g[:, None])  # −g π_j: 0 off the kept set
     if torch.compiler.is_compiling():  # + g at each row's target: a compare, fused into the one pass
         columns = torch.arange(logits.shape[1], device=logits.device)
         grad = grad + torch.where(columns[None, :] == local_targets[:, None], g[:, None], 0.0)
@@ -233,13 +306,15 @@ class _StreamedHead(torch.autograd.Function):
     forward goes a chunk of rows at a time (a row's truncation and normalizer need all of its
     vocabulary) and keeps each row's log-normalizer and, with truncation, its kept set as bits (a
     threshold would not do: the backward's logits come from another matmul shape, so a logit tied with
-    the threshold can round to either side of it); the backward goes a slice of the vocabulary at a
-    time over every row, recomputing that slice's logits: each slice of the weight's
-    gradient is one matmul over all N positions, written once (summing it over 110-row chunks instead
-    read and wrote the whole fp32 (V, H) gradient per chunk: on an H200 the 1.5B step was 1.28-1.32x
-    slower, docs/trainer.md). The gradient is that of the processed distribution: d log π(t) / d logit_j
-    = (1[j = t] − π_j) / temperature over the kept set (π_j = 0 outside it, where the −inf fill gives no
-    gradient), the same as autograd through token_logprobs_and_entropy."""
+    the threshold can round to either side of it), and with top-p the logits tied at its boundary as
+    bits too, with their weight (_tie_weighted; 2 · N · V / 8 bytes of bits in all). The backward goes a
+    slice of the vocabulary at a time over every row, recomputing that slice's logits: each slice of the
+    weight's gradient is one matmul over all N positions, written once (summing it over 110-row chunks
+    instead read and wrote the whole fp32 (V, H) gradient per chunk: on an H200 the 1.5B step was
+    1.28-1.32x slower, docs/trainer.md). The gradient is that of the processed distribution: d log π(t) /
+    d logit_j = (1[j = t] − π_j) / temperature over the kept set (π_j = 0 outside it, where the −inf fill
+    gives no gradient; m / n · e^{l_j} / Z on the n logits tied at the top-p boundary), the same as
+    autograd through token_logprobs_and_entropy."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, sampling: Sampling, with_entropy: bool, bf16: bool, chunk: int):
@@ -251,10 +326,13 @@ class _StreamedHead(torch.autograd.Function):
         vocab = weight.shape[0]
         keep_bits = sampling.truncates and any(ctx.needs_input_grad[:2])  # not for the reference, a re-score
         kept = hidden.new_empty((n, -(-vocab // 8)), dtype=torch.uint8) if keep_bits else None
+        # top-p's ties: which logits tie at the boundary, and how much each weighs (_tie_weighted)
+        tied = torch.empty_like(kept) if keep_bits and sampling.top_p < 1 else None
+        tie_log_weight = hidden.new_empty(n, dtype=acc) if tied is not None else None
         rows = max(1, chunk // vocab)
         for start in range(0, n, rows):
             end = start + rows
-            lp, ent, logz[start:end], bits = _logprobs_and_normalizer(
+            lp, ent, logz[start:end], bits, tied_bits, log_weight = _logprobs_and_normalizer(
                 head_logits(hidden[start:end], w, bf16), targets[start:end], sampling, with_entropy,
                 keep_bits, _HEAD["row_statistics"],
             )  # fmt: skip
@@ -263,14 +341,16 @@ class _StreamedHead(torch.autograd.Function):
                 entropy[start:end] = ent
             if kept is not None:
                 kept[start:end] = bits
-        ctx.save_for_backward(hidden, weight, targets, logz, kept)
+            if tied is not None:
+                tied[start:end], tie_log_weight[start:end] = tied_bits, log_weight
+        ctx.save_for_backward(hidden, weight, targets, logz, kept, tied, tie_log_weight)
         ctx.sampling, ctx.bf16, ctx.chunk = sampling, bf16, chunk
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, _grad_entropy):
-        hidden, weight, targets, logz, kept = ctx.saved_tensors
+        hidden, weight, targets, logz, kept, tied, tie_log_weight = ctx.saved_tensors
         sampling, bf16 = ctx.sampling, ctx.bf16
         w = weight.to(torch.bfloat16) if bf16 else weight
         h = hidden.to(w.dtype)  # cast once: every slice's matmuls read all of it
@@ -283,9 +363,12 @@ class _StreamedHead(torch.autograd.Function):
         vocab, cols = weight.shape[0], max(8, ctx.chunk // max(1, len(targets)) // 8 * 8)  # whole bytes
         for start in range(0, vocab, cols):
             end = min(start + cols, vocab)
+            byte_columns = slice(start // 8, -(-end // 8))
             grad = _HEAD["slice_gradient"](
                 head_logits(h, w[start:end], bf16), logz, g, targets - start,
-                None if kept is None else kept[:, start // 8 : -(-end // 8)], sampling.temperature, w.dtype,
+                None if kept is None else kept[:, byte_columns],
+                None if tied is None else tied[:, byte_columns], tie_log_weight,
+                sampling.temperature, w.dtype,
             )  # fmt: skip
             if wants_hidden:  # fp32 over slices
                 grad_hidden += grad @ w[start:end]
@@ -408,7 +491,7 @@ def rescore(model, samples: list, device, bf16: bool) -> list[tuple[list[float],
         start = offset + len(s.prompt_ids)
         predicting = hidden[start - 1 : offset + len(r) - 1]  # (completion length, H): each its token
         lp, _ = streamed_logprobs(predicting, weight, ids[0, start : offset + len(r)], s.sampling, bf16=bf16)
-        full = torch.log_softmax(processed_logits(head_logits(predicting, weight, bf16), s.sampling), dim=-1)
+        full = processed_logprobs(head_logits(predicting, weight, bf16), s.sampling)
         top = [full[j, list(d)].tolist() for j, d in enumerate(s.top)]
         out.append((lp.tolist(), top))
         offset += len(r)
