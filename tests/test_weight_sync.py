@@ -1007,14 +1007,11 @@ def test_a_server_restarted_before_its_check_finishes_is_left_to_heal():
     assert syncer.taken_out == {} and syncer.out_of_step() == [restarted.url]
 
 
-def test_heal_gives_a_restarted_server_the_next_sync_once_an_update_moved_the_weights(tmp_path):
-    """--sync-every 2: between two syncs the weights move. A server restarted then rejoins and gets the
-    next sync, not the moved weights under the last sync's tag (two servers saying version 1 while
-    holding different weights); with the weights as synced, heal gives them at once."""
-    import train_async_grpo as T
-
+def _synced_pair_with_one_restarted(tmp_path):
+    """Two fake servers synced to version 1, the weights moved since (--sync-every 2), the second
+    restarted ("default", no group): (servers, syncer, comms, model, heal's run)."""
     servers = [FakeServer(), FakeServer()]
-    syncer, _ = fake_syncer("gloo", servers)
+    syncer, comms = fake_syncer("gloo", servers)
     syncer.init()
     model = torch.nn.Linear(2, 2)
     syncer.sync(model.named_parameters(), version=1)
@@ -1022,6 +1019,16 @@ def test_heal_gives_a_restarted_server_the_next_sync_once_an_update_moved_the_we
     run = SimpleNamespace(servers=[], out_dir=tmp_path, syncer=syncer, model=model, version=1, world_size=1,
                           moved_since_sync=True)  # fmt: skip
     servers[1].version, servers[1].init_ports = "default", []  # restarted
+    return servers, syncer, comms, model, run
+
+
+def test_heal_gives_a_restarted_server_the_next_sync_once_an_update_moved_the_weights(tmp_path):
+    """--sync-every 2: between two syncs the weights move. A server restarted then rejoins and gets the
+    next sync, not the moved weights under the last sync's tag (two servers saying version 1 while
+    holding different weights); with the weights as synced, heal gives them at once."""
+    import train_async_grpo as T
+
+    servers, syncer, _, model, run = _synced_pair_with_one_restarted(tmp_path)
     T.heal(run)
     assert [s.version for s in servers] == ["1", "default"] and servers[1].url in syncer.groups
     syncer.sync(model.named_parameters(), version=2)  # the next sync reaches it
@@ -1173,15 +1180,7 @@ def test_a_server_that_joined_is_not_joined_again_while_it_waits_for_the_next_sy
     waits for a batch, with a new group each time and a line on stderr each time); now once."""
     import train_async_grpo as T
 
-    servers = [FakeServer(), FakeServer()]
-    syncer, comms = fake_syncer("gloo", servers)
-    syncer.init()
-    model = torch.nn.Linear(2, 2)
-    syncer.sync(model.named_parameters(), version=1)
-    (tmp_path / "vllm-logs").mkdir()
-    run = SimpleNamespace(servers=[], out_dir=tmp_path, syncer=syncer, model=model, version=1, world_size=1,
-                          moved_since_sync=True)  # fmt: skip
-    servers[1].version, servers[1].init_ports = "default", []  # restarted
+    servers, syncer, comms, model, run = _synced_pair_with_one_restarted(tmp_path)
     for _ in range(5):
         T.heal(run)
     assert servers[1].calls.count("/init_weight_transfer_engine") == 2  # init(), then one heal
