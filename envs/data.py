@@ -4,7 +4,7 @@ Column mapping, the first one that holds a value wins (other columns are kept as
 - question <- `question`, `problem`, `prompt`; a `prompt` that is a list of chat messages (DAPO-Math-17k)
   gives its last user message's content.
 - answer <- `answer`, `solution`, `reward_model["ground_truth"]` (DAPO-Math-17k); an answer ending in
-  `#### <number>` (GSM8K) gives that number, with thousands separators removed; a list of one
+  `#### <number>` (GSM8K) gives that number, its thousands separators removed; a list of one
   answer gives that answer; a number gives its decimal digits (no exponent).
 A file that is not UTF-8 JSON lines (one object a line), has no rows, or has a row without a question
 or an answer (NaN, pandas' missing value, is none), or whose answer is a longer list or an object,
@@ -17,7 +17,7 @@ import json
 import math
 import os
 
-from envs.math_env import GSM8K_NUMBER
+from envs.math_env import GSM8K_NUMBER, _clean
 
 
 def _question(row: dict) -> str | None:
@@ -55,8 +55,9 @@ def _answer(row: dict) -> str | None:
     a = format(decimal.Decimal(repr(a)), "f") if isinstance(a, float) and math.isfinite(a) else str(a)
     # GSM8K: reasoning, then "#### 72". Only a number counts (as `math_env.last_answer` reads it): in a
     # worked solution `#### Part (b)` is a markdown heading, and taking the text after it, commas
-    # deleted, turned `\\boxed{(1, 2)}` into `(1 2)`.
-    gsm8k = a.rsplit("####", 1)[1].strip().replace(",", "") if "####" in a else ""
+    # deleted, turned `\\boxed{(1, 2)}` into `(1 2)`. Read by the model's rule (`_clean`): only commas before
+    # three digits go, so `#### 3,5` stays 3,5 (every comma went: the gold 35 scored a right 3,5 wrong).
+    gsm8k = _clean(a.rsplit("####", 1)[1], True) if "####" in a else ""
     return gsm8k if GSM8K_NUMBER.fullmatch(gsm8k) else a
 
 

@@ -29,13 +29,16 @@ MAX_TOOL_BONUS = 0.4  # cap on the bonus (verl/slime: -1 + 0.4 = -0.6)
 TOOL_TIMEOUT_S = 10.0
 
 # A fence opens and closes a line of its own (so code that prints or holds "```" keeps it), with any
-# tag (python3, Python, py) or none; one left open runs to the end (a call cut off by the length limit).
-_FENCE = re.compile(r"^[ \t]*```[\w+-]*[ \t]*\n(.*?)(?:^[ \t]*```[ \t]*$|\Z)", re.M | re.S)
+# tag (python3, Python, py) or none, its line ended by \n or \r\n; one left open runs to the end (a call
+# cut off by the length limit).
+_FENCE = re.compile(r"^[ \t]*```[\w+-]*[ \t]*\r?\n(.*?)(?:^[ \t]*```[ \t]*\r?$|\Z)", re.M | re.S)
 
 
 def strip_fence(code: str) -> str:
-    """The body of the first ``` fence if the model wrapped its code in one, else `code`."""
-    m = _FENCE.search(code)
+    """The body of the first ``` fence that holds code if the model wrapped its code in one, else `code`.
+    A fence with nothing in it is no wrapper: a stray closing fence after the code read as one opening
+    there, and the code became the blank text after it."""
+    m = next((m for m in _FENCE.finditer(code) if m.group(1).strip()), None)
     return m.group(1) if m else code
 
 

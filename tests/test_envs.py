@@ -678,3 +678,46 @@ def test_a_missing_answer_falls_through_to_the_next_column(tmp_path):
         ("3+3?", "6"),
         ("4+4?", "8"),
     ]
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "```python\r\nx = 6\r\nprint(x * 7)\r\n```",
+        "```python\nx = 6\nprint(x * 7)\n```\r\n",
+        "Here:\r\n```py \r\nx = 6\r\nprint(x * 7)\r\n```\r\nThat prints it.",
+    ],
+    ids=["crlf", "crlf_close", "crlf_with_prose"],
+)
+def test_a_fence_written_with_crlf_line_ends_is_stripped(code):
+    """It was not: a fence line ending in `\\r\\n` (JSON's "\\r\\n" in the model's arguments, code written
+    on Windows) matched neither the opening nor the closing fence, so the interpreter ran the backticks
+    and the model read a SyntaxError for correct code."""
+    body = strip_fence(code)
+    assert "```" not in body and body.replace("\r\n", "\n") == "x = 6\nprint(x * 7)\n"
+    compile(body, "<code>", "exec")  # Python reads \r\n line ends itself
+
+
+@pytest.mark.parametrize("code", ["print(4821 * 937)\n```\n", "x = 6\nprint(x * 7)\n```  \n\n"])
+def test_a_stray_closing_fence_does_not_discard_the_code(code):
+    """It did: a program followed by a closing fence alone (no opening one) read as a fence opening at
+    that line and running to the end, so the program became the empty text after it, and the model
+    read "[no output; use print() to see values]" for code that prints. The code is kept; Python then
+    shows the model the stray backticks."""
+    assert strip_fence(code) == code
+
+
+def test_a_gsm8k_answer_loses_only_its_thousands_separators(tmp_path):
+    """It lost every comma: `#### 3,5` (two answers) became the gold `35`, so the model's `#### 3,5`
+    (read as `3,5`, as `math_env.last_answer` reads a model's `####`) scored wrong and `#### 35` right.
+    A comma goes only before a group of three digits, by the rule the model's answer is read with."""
+    rows = [
+        {"question": "Which x?", "answer": "x = 3 or x = 5.\n#### 3,5"},
+        {"question": "How many?", "answer": "3 + 4 = 7\n#### 1,072"},
+        {"question": "How many?", "answer": "#### 1,234,567"},
+    ]
+    golds = [r["answer"] for r in load_rows(write_jsonl(tmp_path / "g.jsonl", rows))]
+    assert golds == ["3,5", "1072", "1234567"]
+    ep = load_env("math").make_episode({"question": "q", "answer": golds[0]})
+    assert ep.reward(final("x = 3 or x = 5\n#### 3,5"), []) == 1.0
+    assert ep.reward(final("#### 35"), []) == 0.0
