@@ -17,7 +17,8 @@ Those indices mean rows only of the same stream: the checkpoint also stores the 
 seed, the row count, a digest of the rows: row_stream.json, read before anything loads), and a resume
 over another seed or dataset stops with one line (`check_row_stream`) instead of silently training
 other rows. So does a LoRA resume over another --model than its adapter's base (`resumed_flags`), and a
-run without --resume whose --output-dir holds another run's checkpoints (`checkpoint_to_resume`).
+run whose --output-dir holds another run's checkpoints, without --resume or resuming another dir's
+(`checkpoint_to_resume`).
 """
 
 import hashlib
@@ -145,7 +146,7 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
 def checkpoint_to_resume(resume: str | None, out_dir: Path, identity: dict) -> Path | None:
     """--resume: the checkpoint it names, or ("latest") the latest in `out_dir`; None without it.
     ValueError (one line) when there is none, or its row stream is not `identity` (check_row_stream),
-    or, without --resume, when `out_dir` holds another run's checkpoints."""
+    or `out_dir` holds another run's checkpoints (without --resume, or with one naming another dir's)."""
     if resume is None:
         # A fresh run there would leave that run's later checkpoints beside its own, for a bare --resume
         # to take (that run's weights and optimizer, whatever --model says), and append to its metrics.
@@ -165,6 +166,15 @@ def checkpoint_to_resume(resume: str | None, out_dir: Path, identity: dict) -> P
         )
     if (why := check_row_stream(ckpt, identity)) is not None:
         raise ValueError(why)
+    # Another dir's checkpoint continued here would leave this dir's beside its own, as a fresh run would
+    # (above): killed before its first save, a bare --resume took this dir's latest, not the one continued.
+    latest = latest_checkpoint(out_dir)
+    if latest is not None and latest.resolve().parent != ckpt.resolve().parent:
+        raise ValueError(
+            f"--resume {ckpt}: --output-dir {out_dir} holds another run's checkpoints (the latest "
+            f"{latest.name}), which a bare --resume would take: resume into another --output-dir, or give "
+            "--resume alone to continue that run"
+        )
     return ckpt
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import wait_for
 
+import batches
 from batches import StreamPosition, row_stream
 
 REPO = Path(__file__).resolve().parent.parent
@@ -29,6 +30,21 @@ def test_row_stream_gives_the_pending_rows_first_then_goes_on():
     first = [next(full) for _ in range(13)]
     resumed = row_stream(rows, seed=3, start=9, pending=[1, 6, 8])
     assert [next(resumed) for _ in range(7)] == [first[i] for i in [1, 6, 8, 9, 10, 11, 12]]
+
+
+def test_a_resume_shuffles_each_epoch_once_not_once_a_pending_row(monkeypatch):
+    """It shuffled every row again for each pending row: over DAPO-Math-17k's 1.8M rows, ~2 s a row here,
+    in the rollout worker's event loop, so a resume with 192 rows pending (--prompts-per-step 64,
+    --max-staleness 2) admitted nothing for ~7 minutes of its --batch-timeout."""
+    shuffled, permutation = [], batches._permutation
+    monkeypatch.setattr(batches, "_permutation", lambda *a: shuffled.append(a[2]) or permutation(*a))
+    rows = [{"question": str(i)} for i in range(5)]
+    full = row_stream(rows, seed=3)
+    first = [next(full) for _ in range(15)]
+    shuffled.clear()
+    resumed = row_stream(rows, seed=3, start=12, pending=[1, 3, 4, 6, 8])  # epochs 0 and 1, then 2
+    assert [next(resumed) for _ in range(8)] == [first[i] for i in [1, 3, 4, 6, 8, 12, 13, 14]]
+    assert shuffled == [0, 1, 2]
 
 
 def test_stream_position_over_random_kills_loses_no_row_and_repeats_none():
@@ -78,20 +94,45 @@ def test_a_lora_checkpoint_resumed_over_another_base_model_is_refused_in_one_lin
     assert resume(["--model", warm], ["--model", tiny]) == []
 
 
+IDENTITY = {"seed": 0, "rows": 4, "rows_sha256": "0" * 16, "dataset": "d.jsonl"}  # checkpoint_to_resume's
+
+
+def _checkpoints(out: Path, steps: tuple[int, ...]) -> list[Path]:
+    """Step dirs that checkpoint_to_resume takes for checkpoints (a trainer_state.pt, no row_stream.json)."""
+    ckpts = [out / "checkpoints" / f"step_{step:06d}" for step in steps]
+    for step, ckpt in zip(steps, ckpts):
+        ckpt.mkdir(parents=True)
+        torch.save({"step": step}, ckpt / "trainer_state.pt")
+    return ckpts
+
+
 def test_a_fresh_run_into_another_runs_output_dir_is_refused_in_one_line(tmp_path):
     """Started without --resume over another run's output dir, a run would leave that run's later
     checkpoints beside its own: killed at step 30, a bare --resume took the other run's step 100 (its
     weights, whatever --model said)."""
     from checkpoint import checkpoint_to_resume
 
-    identity = {"seed": 0, "rows": 4, "rows_sha256": "0" * 16, "dataset": "d.jsonl"}
-    for step in (30, 100):
-        (tmp_path / "checkpoints" / f"step_{step:06d}").mkdir(parents=True)
-        torch.save({"step": step}, tmp_path / "checkpoints" / f"step_{step:06d}" / "trainer_state.pt")
+    _checkpoints(tmp_path, (30, 100))
     with pytest.raises(ValueError, match=r"holds another run's checkpoints \(the latest step_000100\)"):
-        checkpoint_to_resume(None, tmp_path, identity)
-    assert checkpoint_to_resume(None, tmp_path / "fresh", identity) is None
-    assert checkpoint_to_resume("latest", tmp_path, identity).name == "step_000100"
+        checkpoint_to_resume(None, tmp_path, IDENTITY)
+    assert checkpoint_to_resume(None, tmp_path / "fresh", IDENTITY) is None
+    assert checkpoint_to_resume("latest", tmp_path, IDENTITY).name == "step_000100"
+
+
+def test_another_dirs_checkpoint_resumed_into_an_output_dir_with_checkpoints_is_refused(tmp_path):
+    """--resume naming another dir's checkpoint over an --output-dir holding checkpoints of its own went
+    past the check a fresh run meets (above), to the same end: killed before its first save, a bare
+    --resume took that dir's step 100 (another run's weights), not the step 30 it continued. Into a dir
+    without checkpoints, or from the dir's own checkpoints however spelled, it resumes."""
+    from checkpoint import checkpoint_to_resume
+
+    _checkpoints(tmp_path / "other", (100,))
+    step_10, step_30 = _checkpoints(tmp_path / "run", (10, 30))
+    with pytest.raises(ValueError, match=r"holds another run's checkpoints \(the latest step_000100\)"):
+        checkpoint_to_resume(str(step_30), tmp_path / "other", IDENTITY)
+    assert checkpoint_to_resume(str(step_30), tmp_path / "fresh", IDENTITY) == step_30
+    spelled = tmp_path / "run" / "checkpoints" / ".." / "checkpoints" / "step_000010"
+    assert checkpoint_to_resume(str(spelled), tmp_path / "run", IDENTITY) == spelled
 
 
 # ---------------------------------------------------------------------------------------------------
