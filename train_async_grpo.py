@@ -234,6 +234,8 @@ def check_args(args: argparse.Namespace) -> None:
          f"--num-generations must be ≥ 2 (group advantages need a group), got {args.num_generations}"),
         (args.mini_batches > batch, f"--mini-batches {args.mini_batches} exceeds the {batch} sequences of a "
          "batch (--prompts-per-step × --num-generations)"),
+        (args.sync_every > args.max_steps, f"--sync-every {args.sync_every} exceeds --max-steps "
+         f"{args.max_steps}: no sync would come, and the servers would sample the initial weights all run"),
     ]  # fmt: skip
     for bad, why in checks:
         if bad:
@@ -328,7 +330,8 @@ def heal(run: Run, push: bool = True) -> None:
     stuck are relaunched; any that answers without our weights rejoins and, unless a sync to all
     follows at once (`push=False`), gets the current weights: those of the current version only, so
     once an update moved them since (--sync-every N > 1) it gets the next sync (until then its tag
-    is not the version the client routes to). A failure is retried next call."""
+    is not the version the client routes to). A failure is retried at the syncer's doubling waits
+    (WeightSyncer.rejoin), named on stderr when it starts failing, not at each try."""
     relaunch_exited(run.servers, run.out_dir / "vllm-logs" / "servers.json", stuck=run.syncer.to_restart())
     stale = run.syncer.rejoin()
     if not stale:
@@ -338,7 +341,14 @@ def heal(run: Run, push: bool = True) -> None:
         if push:
             sync_weights(run.syncer, run.model, run.version, run.world_size, urls=stale)
     except WeightSyncError as e:
-        print(f"could not bring {', '.join(stale)} back yet: {e}", file=sys.stderr, flush=True)
+        failing = [u for u in stale if u in run.syncer.failed] or stale
+        if run.syncer.newly_failing(failing):
+            print(
+                f"could not bring {', '.join(failing)} back yet: {e}. Tried again at doubling waits (not "
+                "named again at each try)",
+                file=sys.stderr,
+                flush=True,
+            )
         return
     what = f"model version {run.version}" if push else "the next sync"
     print(f"{', '.join(stale)}: new weight-transfer group, gets {what}", file=sys.stderr, flush=True)
@@ -620,6 +630,16 @@ def main(argv: list[str] | None = None) -> None:
     except ChatTemplateError as e:
         parser.error(
             f"--chat-template {args.chat_template}: {e}" if args.chat_template else f"{args.model}: {e}"
+        )
+    # The start-up probe samples the first rows' prompts: one that fills --max-context was refused by the
+    # server (a launched one's context is --max-context) after its start-up, in words that blamed the
+    # server; against a --vllm-url of a longer context the rollouts drop every such row's group (with a
+    # --max-context below every prompt: each group, until --batch-timeout).
+    prompt_tokens = [len(template.prompt_ids(make_episode(r).messages)) for r in rows[:4]]
+    if max(prompt_tokens) >= args.max_context:
+        parser.error(
+            f"--max-context {args.max_context} leaves no room for a completion: the first rows' prompts "
+            f"take {', '.join(map(str, prompt_tokens))} tokens (raise --max-context)"
         )
     model, ref_model, ckpt_checksum = load_models(args, ckpt, device, world_size)
     optimizer, scheduler = make_optimizer(model, args)

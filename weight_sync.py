@@ -368,7 +368,7 @@ class WeightSyncer:
         # no sync has reached since (the join or the push failed): backed off (JOIN_RETRY_S).
         self.retry: dict[str, tuple[float, float]] = {}
         self.join_retry_s = JOIN_RETRY_S
-        self.join_failing: set[str] = set()  # their last join failed: named on stderr when it started
+        self.join_failing: set[str] = set()  # failing to come back since a sync last reached them: named once
 
     def init(self) -> None:
         """Form the transfer group(s) with every server. Raises naming any server that fails."""
@@ -591,7 +591,7 @@ class WeightSyncer:
         try:
             self.join(due)
         except WeightSyncError as e:  # names the servers that did not join; those that did have joined
-            if any(u not in self.groups and u not in self.join_failing for u in due):
+            if self.newly_failing([u for u in due if u not in self.groups]):
                 print(
                     f"weight-transfer group: {e}. Tried again in {first:.0f} s, then at doubling waits up to "
                     f"{longest:.0f} s (not named again at each try)",
@@ -599,10 +599,15 @@ class WeightSyncer:
                     flush=True,
                 )
         joined = [u for u in due if u in self.groups]
-        self.join_failing.difference_update(joined)
-        self.join_failing.update(u for u in due if u not in self.groups)
         self.awaiting.update(joined)
         return joined
+
+    def newly_failing(self, urls: list[str]) -> list[str]:
+        """Note `urls` as failing to come back (a join, or the push after it); returns those not noted
+        since a sync last reached them: the ones to name on stderr (once, not at each try)."""
+        new = [u for u in urls if u not in self.join_failing]
+        self.join_failing.update(urls)
+        return new
 
     def _worker_init_info(self, port: int, rank_offset: int, world_size: int) -> dict:
         info = dict(master_address=self.master_address, master_port=port, rank_offset=rank_offset)
@@ -716,6 +721,7 @@ class WeightSyncer:
             self.failed.pop(u, None)
             self.retry.pop(u, None)
             self.awaiting.discard(u)
+            self.join_failing.discard(u)
         if failed:
             self.awaiting.difference_update(failed)  # its group is released below: `rejoin` gives a new one
             # Its group is out of step or gone: released (an NCCL one destroyed, which also ends the

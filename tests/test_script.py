@@ -1,18 +1,24 @@
 """train_async_grpo.py run as a researcher runs it, on the session's vLLM server (--vllm-url): how a run
 that cannot go on ends. Each case is a real fault, no mock: a task no completion solves (every group's
-rewards equal), a NaN in the --kl-beta reference model on disk (test_guard.py's)."""
+rewards equal), a NaN in the --kl-beta reference model on disk (test_guard.py's). Its `heal` alone,
+against test_weight_sync.py's fake servers (real HTTP): what a long outage prints."""
 
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from test_guard import _nan_model, _resume_point
+from test_weight_sync import FakeServer, fake_syncer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import weight_sync
 from checkpoint import save_checkpoint
-from train_async_grpo import parser
+from train_async_grpo import heal, parser
 from trainer import make_optimizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -92,3 +98,39 @@ def test_a_resume_with_no_step_left_is_refused_before_any_server_starts(tiny_mod
         "to go on)"
     ), p.stderr[-3000:]
     assert not (tmp_path / "run" / "vllm-logs").exists()  # no server was started
+
+
+def test_a_restarted_server_whose_weights_keep_failing_is_named_once(tmp_path, capsys, monkeypatch):
+    """A restarted server that joins but fails every push of the weights (its /update_weights answers
+    500: a model it cannot load them into) is tried again at the syncer's doubling waits, but heal said
+    "could not bring … back yet" at each try, for as long as the outage lasted. Now once, when it starts
+    failing; once a push lands, heal names it back. The syncer's clock runs 2 s a heal here."""
+    servers = [FakeServer(), FakeServer()]
+    syncer, _ = fake_syncer("gloo", servers)
+    syncer.init()
+    model = torch.nn.Linear(2, 2)
+    syncer.sync(model.named_parameters(), version=1)
+    (tmp_path / "vllm-logs").mkdir()
+    run = SimpleNamespace(servers=[], out_dir=tmp_path, syncer=syncer, model=model, version=1, world_size=1,
+                          moved_since_sync=False)  # fmt: skip
+    servers[1].version, servers[1].init_ports = "default", []  # restarted
+    servers[1].fail = ("/update_weights",)
+    skew = [0.0]  # seconds the syncer's clock is ahead of the real one
+    clock = {n: getattr(time, n) for n in dir(time) if not n.startswith("_")}
+    monkeypatch.setattr(
+        weight_sync, "time", SimpleNamespace(**clock | {"monotonic": lambda: time.monotonic() + skew[0]})
+    )
+    while skew[0] < 400:  # heal called again and again, as in an outage
+        heal(run)
+        skew[0] += 2
+    # the sync before its restart, then tries at 0, 10, 30, 70, 150, 270 and 390 s
+    assert servers[1].calls.count("/update_weights") == 8
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith(f"could not bring {servers[1].url} back yet"), err
+    servers[1].fail = ()  # fixed: its next try gets the current weights
+    while servers[1].version != "1":
+        assert skew[0] < 600
+        heal(run)
+        skew[0] += 2
+    assert f"{servers[1].url}: new weight-transfer group, gets model version 1" in capsys.readouterr().err
+    assert syncer.retry == {} and syncer.join_failing == set() and syncer.failed == {}
