@@ -8,7 +8,7 @@ import asyncio
 import math
 import sys
 
-from rollout import RolloutContext, VLLMClient, tool_loop_rollout
+from rollout import RolloutContext, VLLMClient, prompt_ids_with_room, score, tool_loop_rollout
 from sampling import Sampling
 
 
@@ -33,10 +33,12 @@ async def evaluate(
 
     async def one(row):
         ep = make_episode(row)
-        comp = await tool_loop_rollout(ctx, ep, template.prompt_ids(ep.messages))
-        # Off the event loop: a reward check may take up to envs.verify.DEADLINE_S.
-        reward = await asyncio.to_thread(ep.reward, comp.messages, comp.tool_calls)
-        return float(reward), len(comp.tool_calls), getattr(ep, "reward_timeouts", 0)
+        # no room to answer: a failed row, as in training (it scored 0 in eval/accuracy)
+        comp = await tool_loop_rollout(ctx, ep, prompt_ids_with_room(template, ep.messages, args.max_context))
+        # Off the event loop: a reward check may take up to envs.verify.DEADLINE_S. `score`: a reward's
+        # sys.exit() fails its row, as in training, instead of ending the event loop (and the trainer).
+        reward = await asyncio.to_thread(score, ep, comp)
+        return reward, len(comp.tool_calls), getattr(ep, "reward_timeouts", 0)
 
     try:
         results = await asyncio.gather(*(one(r) for r in rows), return_exceptions=True)

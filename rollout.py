@@ -462,7 +462,16 @@ async def tool_loop_rollout(ctx: RolloutContext, episode, prompt_ids: list[int])
 RolloutFn = Callable[[RolloutContext, object, list[int]], Awaitable[RolloutCompletion]]
 
 
-def _score(episode, completion: RolloutCompletion) -> float:
+def prompt_ids_with_room(template: ChatTemplate, messages: list[dict], max_context: int) -> list[int]:
+    """The episode's prompt ids; ValueError (its group, or eval row, fails) when they leave no room for a
+    completion in `max_context`."""
+    prompt_ids = template.prompt_ids(messages)
+    if len(prompt_ids) >= max_context:
+        raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in max_context={max_context}")
+    return prompt_ids
+
+
+def score(episode, completion: RolloutCompletion) -> float:
     """The episode's reward (run in a thread). A reward's sys.exit() fails the group as any error does:
     let through, asyncio ends the event loop with it, and a thread ended by SystemExit prints nothing."""
     try:
@@ -717,11 +726,7 @@ class AsyncRolloutWorker:
 
     async def _attempt_group(self, row: dict, admitted_version: int) -> RolloutGroup:
         episodes = [self.make_episode(row) for _ in range(self.num_generations)]
-        prompt_ids = self.template.prompt_ids(episodes[0].messages)
-        if len(prompt_ids) >= self.max_context:
-            raise ValueError(
-                f"prompt of {len(prompt_ids)} tokens leaves no room in max_context={self.max_context}"
-            )
+        prompt_ids = prompt_ids_with_room(self.template, episodes[0].messages, self.max_context)
         t0 = time.monotonic()
         rollout = getattr(episodes[0], "rollout", None) or self.rollout_fn
         ctxs = [self._ctx] * len(episodes)
@@ -733,7 +738,7 @@ class AsyncRolloutWorker:
         # Rewards may be slow (math-verify, bounded by envs.verify.DEADLINE_S each) and must not stall
         # other groups' requests; in threads, so the verify pool checks them side by side.
         rewards = await asyncio.gather(
-            *(asyncio.to_thread(_score, ep, c) for ep, c in zip(episodes, completions, strict=True))
+            *(asyncio.to_thread(score, ep, c) for ep, c in zip(episodes, completions, strict=True))
         )
         for c, r in zip(completions, rewards, strict=True):
             c.reward = r

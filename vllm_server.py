@@ -198,6 +198,11 @@ class VLLMServer:
 
     def __init__(self, cmd: list[str], env: dict[str, str], url: str, log_path: Path, run_dir: Path):
         self.cmd, self.env, self.url, self.log_path, self.run_dir = cmd, env, url, log_path, run_dir
+        # relaunch_exited's back-off: when it last relaunched this server, when it first saw the server
+        # exited since, and how many times in a row it exited soon after a relaunch
+        self.relaunched_at: float | None = None
+        self.exited_at: float | None = None
+        self.quick_exits = 0
         self._launch()
 
     def _launch(self) -> None:
@@ -213,6 +218,7 @@ class VLLMServer:
         URL and the same base weights); does not wait for /health. The log is appended to."""
         self.stop()
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.exited_at = None
         self._launch()
 
     def log_tail(self, n_chars: int = 4000) -> str:
@@ -463,18 +469,50 @@ def write_servers_file(servers: list[VLLMServer], path: Path) -> None:
     os.replace(tmp, path)
 
 
+# A relaunched server that exits again within the longest wait (one that cannot start: its port taken by
+# another process, its GPU full or gone) is relaunched after the first wait, then at doubling waits up to
+# the longest: not at every call (heal's, every 5 s while the trainer waits), each a vLLM start-up beside
+# the training and a line on stderr. One that served longer is relaunched at once.
+RELAUNCH_RETRY_S = (10.0, 300.0)
+
+
 def relaunch_exited(servers: list[VLLMServer], servers_file: Path, stuck: Collection[str] = ()) -> None:
-    """Relaunch each of `servers` that exited, or whose URL is in `stuck` (alive but wedged: the weight
-    syncer's `stuck`), on the same port and arguments (so the same URL and the base weights; not waited
+    """Relaunch each of `servers` that exited (at once, or after RELAUNCH_RETRY_S's wait when it keeps
+    exiting), or whose URL is in `stuck` (alive but wedged: the weight syncer's `stuck`, which says when
+    to restart it), on the same port and arguments (so the same URL and the base weights; not waited
     for), and rewrite `servers_file` with the new process groups."""
+    now = time.monotonic()
     for s in servers:
-        if not s.alive() or s.url in stuck:
-            why = (
-                f"exited with code {s.proc.returncode}" if not s.alive() else "is stuck in a weight transfer"
-            )
-            print(f"vLLM server {s.url} {why}; relaunching it", file=sys.stderr, flush=True)
-            s.restart()
-            write_servers_file(servers, servers_file)
+        exited = not s.alive()
+        if not exited and s.url not in stuck:
+            continue
+        if exited:
+            if s.exited_at is None:  # first seen exited since its launch
+                s.exited_at = now
+                soon = s.relaunched_at is not None and now - s.relaunched_at < RELAUNCH_RETRY_S[1]
+                s.quick_exits = s.quick_exits + 1 if soon else 0
+                if s.quick_exits:
+                    print(
+                        f"vLLM server {s.url} exited with code {s.proc.returncode} "
+                        f"{now - s.relaunched_at:.0f} s after its relaunch; relaunching it in "
+                        f"{relaunch_wait(s.quick_exits):.0f} s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+            if s.quick_exits and now < s.exited_at + relaunch_wait(s.quick_exits):
+                continue
+        why = f"exited with code {s.proc.returncode}" if exited else "is stuck in a weight transfer"
+        print(f"vLLM server {s.url} {why}; relaunching it", file=sys.stderr, flush=True)
+        s.restart()
+        s.relaunched_at = time.monotonic()
+        write_servers_file(servers, servers_file)
+
+
+def relaunch_wait(quick_exits: int) -> float:
+    """Seconds before relaunching a server that exited `quick_exits` (≥ 1) times in a row soon after a
+    relaunch: RELAUNCH_RETRY_S[0], doubling up to RELAUNCH_RETRY_S[1]."""
+    first, longest = RELAUNCH_RETRY_S
+    return min(first * 2 ** min(quick_exits - 1, 16), longest)
 
 
 @atexit.register

@@ -274,11 +274,53 @@ def test_relaunch_restarts_exited_and_stuck_servers(tmp_path):
 
     def server(url: str, alive: bool) -> SimpleNamespace:
         proc = SimpleNamespace(returncode=None if alive else -9, pid=1)
-        return SimpleNamespace(url=url, alive=lambda: alive, proc=proc, restart=lambda: restarted.append(url))
+        restart = lambda: restarted.append(url)  # noqa: E731
+        backoff = {"relaunched_at": None, "exited_at": None, "quick_exits": 0}
+        return SimpleNamespace(url=url, alive=lambda: alive, proc=proc, restart=restart, **backoff)
 
     servers = [server("http://a", True), server("http://b", False), server("http://c", True)]
     vllm_server.relaunch_exited(servers, tmp_path / "servers.json", stuck={"http://c"})
     assert restarted == ["http://b", "http://c"]
+
+
+def test_a_server_that_cannot_start_is_relaunched_at_doubling_waits(tmp_path, monkeypatch):
+    """A launched server that exits at every start (its port taken by another process, its GPU full):
+    heal relaunched it at every call, every 5 s while the trainer waited, for the rest of the run (each a
+    vLLM start-up beside the training and a line on stderr). Now after 10 s, then at doubling waits up to
+    300 s; and at once again when it exits after serving longer than that."""
+    now = [0.0]
+
+    class Clock:  # relaunch_exited's clock, 5 s a heal: the count may not depend on the machine's load
+        monotonic = staticmethod(lambda: now[0])
+
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+    monkeypatch.setattr(vllm_server, "time", Clock())
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    s = vllm_server.VLLMServer(["false"], {"PATH": os.environ["PATH"]}, "http://x", tmp_path / "log", run_dir)
+    launched_at = []
+    try:
+        for _ in range(120):  # 10 minutes of heals
+            proc = s.proc
+            proc.wait()  # exited at start-up, as it does within 5 s
+            vllm_server.relaunch_exited([s], tmp_path / "servers.json")
+            if s.proc is not proc:
+                launched_at.append(now[0])
+            now[0] += 5
+        assert launched_at == [0, 15, 40, 85, 170, 335]
+        s.cmd = [sys.executable, "-c", "import time; time.sleep(600)"]  # it starts, and serves 6 minutes
+        now[0] = 645
+        vllm_server.relaunch_exited([s], tmp_path / "servers.json")
+        now[0] += 360
+        s.proc.kill()
+        s.proc.wait()
+        proc = s.proc
+        vllm_server.relaunch_exited([s], tmp_path / "servers.json")
+        assert s.proc is not proc and s.alive()
+    finally:
+        s.stop()
 
 
 def test_the_servers_file_is_never_seen_half_written(tmp_path):
