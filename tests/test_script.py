@@ -11,9 +11,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 from test_guard import _nan_model, _resume_point
-from test_weight_sync import FakeServer, fake_syncer
+from test_weight_sync import _synced_pair_with_one_restarted
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import weight_sync
@@ -105,15 +104,7 @@ def test_a_restarted_server_whose_weights_keep_failing_is_named_once(tmp_path, c
     500: a model it cannot load them into) is tried again at the syncer's doubling waits, but heal said
     "could not bring … back yet" at each try, for as long as the outage lasted. Now once, when it starts
     failing; once a push lands, heal names it back. The syncer's clock runs 2 s a heal here."""
-    servers = [FakeServer(), FakeServer()]
-    syncer, _ = fake_syncer("gloo", servers)
-    syncer.init()
-    model = torch.nn.Linear(2, 2)
-    syncer.sync(model.named_parameters(), version=1)
-    (tmp_path / "vllm-logs").mkdir()
-    run = SimpleNamespace(servers=[], out_dir=tmp_path, syncer=syncer, model=model, version=1, world_size=1,
-                          moved_since_sync=False)  # fmt: skip
-    servers[1].version, servers[1].init_ports = "default", []  # restarted
+    servers, syncer, _, _, run = _synced_pair_with_one_restarted(tmp_path, moved_since_sync=False)
     servers[1].fail = ("/update_weights",)
     skew = [0.0]  # seconds the syncer's clock is ahead of the real one
     clock = {n: getattr(time, n) for n in dir(time) if not n.startswith("_")}

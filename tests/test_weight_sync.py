@@ -1007,8 +1007,8 @@ def test_a_server_restarted_before_its_check_finishes_is_left_to_heal():
     assert syncer.taken_out == {} and syncer.out_of_step() == [restarted.url]
 
 
-def _synced_pair_with_one_restarted(tmp_path):
-    """Two fake servers synced to version 1, the weights moved since (--sync-every 2), the second
+def _synced_pair_with_one_restarted(tmp_path, moved_since_sync: bool = True):
+    """Two fake servers synced to version 1, the weights moved since (--sync-every 2) or not, the second
     restarted ("default", no group): (servers, syncer, comms, model, heal's run)."""
     servers = [FakeServer(), FakeServer()]
     syncer, comms = fake_syncer("gloo", servers)
@@ -1017,7 +1017,7 @@ def _synced_pair_with_one_restarted(tmp_path):
     syncer.sync(model.named_parameters(), version=1)
     (tmp_path / "vllm-logs").mkdir()
     run = SimpleNamespace(servers=[], out_dir=tmp_path, syncer=syncer, model=model, version=1, world_size=1,
-                          moved_since_sync=True)  # fmt: skip
+                          moved_since_sync=moved_since_sync)  # fmt: skip
     servers[1].version, servers[1].init_ports = "default", []  # restarted
     return servers, syncer, comms, model, run
 
