@@ -303,7 +303,7 @@ def _on_daemon_thread(fn, *args) -> Future:
         except BaseException as e:  # noqa: BLE001 - the caller's to read
             future.set_exception(e)
 
-    threading.Thread(target=target, daemon=True).start()
+    threading.Thread(target=target, daemon=True, name=f"weight-sync {fn.__name__}").start()
     return future
 
 
@@ -443,13 +443,12 @@ class WeightSyncer:
         pool.shutdown(wait=False)
         # Joined side by side (gloo: one group per server), so one server that cannot join neither costs
         # the others their group nor leaves the groups formed before it holding a store (sockets, threads).
-        attempts = [
-            (members, port, _on_daemon_thread(self._join, port, world)) for members, port, world in joins
-        ]
+        attempts = [(*join, _on_daemon_thread(self._join, *join[1:])) for join in joins]
         joined, failed = {}, {}
-        for members, port, attempt in attempts:
+        for members, port, world, attempt in attempts:
             try:
-                group = self._await_join(attempt, {u: futures[urls.index(u)] for u in members})
+                posts = {u: futures[urls.index(u)] for u in members}
+                group = self._await_join(attempt, posts, port, world)
                 joined.update({u: group for u in members})
             except Exception as e:  # noqa: BLE001 - named below, after the others joined
                 failed.update({u: (port, e) for u in members})
@@ -479,12 +478,12 @@ class WeightSyncer:
         if errors:
             raise WeightSyncError("init failed: " + "; ".join(f"{u}: {m}" for u, m in errors.items()))
 
-    def _await_join(self, attempt: Future, posts: dict[str, Future]):
+    def _await_join(self, attempt: Future, posts: dict[str, Future], port: int, world_size: int):
         """The group `attempt` forms (the trainer's end of the rendezvous), or JoinRefused as soon as one
         of its servers answers its join request (`posts`) with an HTTP error: it will never dial, and the
         rendezvous would wait for it to the transfer timeout. torch cannot cut a rendezvous short (a
-        TCPStore has no abort; a group has no handle until it is built), so the attempt is left to end
-        at its own timeout on its daemon thread, and whatever it builds then is released."""
+        TCPStore has no abort; a group has no handle until it is built), so `_stand_in` dials it in the
+        refusing server's place (gloo), and whatever the attempt builds is released."""
         pending: set[Future] = {attempt, *posts.values()}
         deadline = time.monotonic() + self.transfer_timeout_s + 5  # the rendezvous' own timeout first
         while attempt in pending:
@@ -497,8 +496,22 @@ class WeightSyncer:
                 refusal = post_done.exception() if post_done in done else None
                 if isinstance(refusal, HTTPStatusError) and not attempt.done():
                     attempt.add_done_callback(self._release_late)
+                    self._stand_in(port, world_size)
                     raise JoinRefused(u, refusal)
         return attempt.result()
+
+    def _stand_in(self, port: int, world_size: int) -> None:
+        """Dial a refused rendezvous as the ranks that will never come, so the trainer's end forms now and
+        is released. Left to its timeout, it wakes on its daemon thread, and if the process is exiting by
+        then CPython ends that thread inside torch's C++: the process aborts ("terminate called without
+        an active exception", exit 134). gloo only: one group a server, so every rank but 0 is the
+        refusing server's. nccl's one communicator would need GPU ranks: its attempt ends at its
+        timeout."""
+        if self.backend == "gloo":
+            for rank in range(1, world_size):
+                _on_daemon_thread(
+                    gloo_group, self.master_address, port, rank, world_size, self.transfer_timeout_s
+                )
 
     def _release_late(self, attempt: Future) -> None:
         if attempt.exception() is None:  # a group formed after all: nobody holds it
