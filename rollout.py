@@ -43,6 +43,7 @@ from records import (
     group_metrics,
 )
 from sampling import Sampling, request_seed
+from vllm_server import doubling_wait
 
 logger = logging.getLogger(__name__)
 
@@ -716,9 +717,9 @@ class AsyncRolloutWorker:
                     logger.warning("group failed (attempt %d), retrying: %s", attempt + 1, msg)
         # Counted failed (which frees the slot) only after the wait; cancelled by stop() meanwhile, the
         # row is not counted used, and a resume generates it again.
-        backoff_s = GROUP_BACKOFF_S * 2 ** min(self._dropped_in_row, 16)
+        backoff_s = doubling_wait(GROUP_BACKOFF_S, GROUP_BACKOFF_MAX_S, self._dropped_in_row)
         self._dropped_in_row += 1
-        await asyncio.sleep(min(GROUP_BACKOFF_MAX_S, backoff_s))
+        await asyncio.sleep(backoff_s)
         self.stats.groups_failed += 1
         self.stats.failed_rows.append(row["_index"])
         logger.warning("group dropped after %d attempts: %s", self.group_retries + 1, self.stats.last_error)

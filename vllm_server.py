@@ -495,11 +495,11 @@ def relaunch_exited(servers: list[VLLMServer], servers_file: Path, stuck: Collec
                     print(
                         f"vLLM server {s.url} exited with code {s.proc.returncode} "
                         f"{now - s.relaunched_at:.0f} s after its relaunch; relaunching it in "
-                        f"{relaunch_wait(s.quick_exits):.0f} s",
+                        f"{doubling_wait(*RELAUNCH_RETRY_S, s.quick_exits - 1):.0f} s",
                         file=sys.stderr,
                         flush=True,
                     )
-            if s.quick_exits and now < s.exited_at + relaunch_wait(s.quick_exits):
+            if s.quick_exits and now < s.exited_at + doubling_wait(*RELAUNCH_RETRY_S, s.quick_exits - 1):
                 continue
         why = f"exited with code {s.proc.returncode}" if exited else "is stuck in a weight transfer"
         print(f"vLLM server {s.url} {why}; relaunching it", file=sys.stderr, flush=True)
@@ -508,11 +508,11 @@ def relaunch_exited(servers: list[VLLMServer], servers_file: Path, stuck: Collec
         write_servers_file(servers, servers_file)
 
 
-def relaunch_wait(quick_exits: int) -> float:
-    """Seconds before relaunching a server that exited `quick_exits` (≥ 1) times in a row soon after a
-    relaunch: RELAUNCH_RETRY_S[0], doubling up to RELAUNCH_RETRY_S[1]."""
-    first, longest = RELAUNCH_RETRY_S
-    return min(first * 2 ** min(quick_exits - 1, 16), longest)
+def doubling_wait(first_s: float, longest_s: float, tries: int) -> float:
+    """Seconds to wait after the `tries`-th (from 0) try in a row of something that keeps failing:
+    `first_s`, doubling up to `longest_s`. A server's relaunches here, the trainer's transfer-group joins
+    (weight_sync), the rollout's dropped groups."""
+    return min(first_s * 2 ** min(tries, 16), longest_s)
 
 
 @atexit.register

@@ -62,7 +62,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import torch
 import torch.distributed as dist
 
-from vllm_server import healthy, is_loopback, route_source
+from vllm_server import doubling_wait, healthy, is_loopback, route_source
 
 # nccl: the size of each of vLLM's two packed buffers. gloo: the most bytes either side posts ahead of the
 # piece being sent or loaded (so the receive of the next pieces overlaps the load of this one).
@@ -364,9 +364,9 @@ class WeightSyncer:
         # Servers `rejoin` joined that still wait for the weights (the next sync, or heal's push): their tag
         # stays "default" until then, and they are not joined again meanwhile (each join is a new group).
         self.awaiting: set[str] = set()
-        # url -> (monotonic time of its next try, the wait before it) for the servers `rejoin` tried that
+        # url -> (monotonic time of its next try, its tries so far) for the servers `rejoin` tried that
         # no sync has reached since (the join or the push failed): backed off (JOIN_RETRY_S).
-        self.retry: dict[str, tuple[float, float]] = {}
+        self.retry: dict[str, tuple[float, int]] = {}
         self.join_retry_s = JOIN_RETRY_S
         self.join_failing: set[str] = set()  # failing to come back since a sync last reached them: named once
 
@@ -599,8 +599,8 @@ class WeightSyncer:
             return []
         first, longest = self.join_retry_s
         for u in due:  # forgotten once a sync reaches it
-            wait_s = min(longest, 2 * self.retry[u][1]) if u in self.retry else first
-            self.retry[u] = (now + wait_s, wait_s)
+            tries = self.retry[u][1] + 1 if u in self.retry else 0
+            self.retry[u] = (now + doubling_wait(first, longest, tries), tries)
         try:
             self.join(due)
         except WeightSyncError as e:  # names the servers that did not join; those that did have joined
