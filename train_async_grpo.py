@@ -94,6 +94,7 @@ from metrics import (
     rollout_metrics,
     write_completions,
 )
+from rollout import prompt_ids_with_room
 from rollout_process import RolloutProcess, build_worker, split_cpus
 from sampling import MIN_TEMPERATURE
 from trainer import (
@@ -356,12 +357,12 @@ def heal(run: Run, push: bool = True) -> None:
 
 def start_rollouts(
     run: Run, server_gpus: list[str], template: ChatTemplate, make_episode, rows: list[dict],
-    eval_rows: list[dict], device, ckpt,
+    probe_prompts: list[list[int]], eval_rows: list[dict], device, ckpt,
 ) -> tuple[list[str], tuple, dict[str, float]]:  # fmt: skip
     """Servers up (those of --vllm-url, or launched here on `server_gpus`), the weight-transfer group
-    formed, our weights pushed, the fidelity probe passed, the rollout worker built, the start-up eval
-    (--eval-every) done, the worker started. Returns (server URLs, evaluate's arguments, the probe's
-    gaps)."""
+    formed, our weights pushed, the fidelity probe (on `probe_prompts`, the first rows') passed, the
+    rollout worker built, the start-up eval (--eval-every) done, the worker started. Returns (server
+    URLs, evaluate's arguments, the probe's gaps)."""
     args, on_gpu = run.args, torch.cuda.is_available()
     # Servers (launched here, or assumed of those given by --vllm-url) run bf16 on GPU, fp32 on CPU (the
     # CPU tests compare logprobs with the trainer's exactly).
@@ -390,9 +391,10 @@ def start_rollouts(
     # is how a restarted server (tag "default", base weights) is told apart from one in step.
     sync_weights(run.syncer, run.model, run.version, run.world_size)
     bf16 = args.compute_dtype == "bf16" or serving_dtype == "bfloat16"  # either side bf16: the KL bound
-    prompts = [template.prompt_ids(make_episode(r).messages) for r in rows[:4]]
     served = (lambda: lora.adapter_name(run.syncer.version)) if args.lora_rank else model_name  # LoRA: v{n}
-    prober = Prober(served, prompts, sampling_of(args), args.seed, run.model, bf16, run.world_size, device)
+    prober = Prober(
+        served, probe_prompts, sampling_of(args), args.seed, run.model, bf16, run.world_size, device
+    )
     fidelity = probe_at_start(prober, urls)
     run.checks = SyncChecks(prober, run.syncer)
     print(
@@ -635,11 +637,13 @@ def main(argv: list[str] | None = None) -> None:
     # server (a launched one's context is --max-context) after its start-up, in words that blamed the
     # server; against a --vllm-url of a longer context the rollouts drop every such row's group (with a
     # --max-context below every prompt: each group, until --batch-timeout).
-    prompt_tokens = [len(template.prompt_ids(make_episode(r).messages)) for r in rows[:4]]
-    if max(prompt_tokens) >= args.max_context:
+    try:
+        probe_prompts = [
+            prompt_ids_with_room(template, make_episode(r).messages, args.max_context) for r in rows[:4]
+        ]
+    except ValueError as e:
         parser.error(
-            f"--max-context {args.max_context} leaves no room for a completion: the first rows' prompts "
-            f"take {', '.join(map(str, prompt_tokens))} tokens (raise --max-context)"
+            f"--max-context {args.max_context} is too small for the first rows: {e} (raise --max-context)"
         )
     model, ref_model, ckpt_checksum = load_models(args, ckpt, device, world_size)
     optimizer, scheduler = make_optimizer(model, args)
@@ -666,7 +670,7 @@ def main(argv: list[str] | None = None) -> None:
         # START ROLLOUTS: servers, weight sync group, fidelity probe, the worker thread -------------
         run.tracker = make_tracker(args.report_to, out_dir, vars(args))  # before the start-up eval
         urls, eval_args, fidelity = start_rollouts(
-            run, server_gpus, template, make_episode, rows, eval_rows, device, ckpt
+            run, server_gpus, template, make_episode, rows, probe_prompts, eval_rows, device, ckpt
         )
 
         # TRAIN LOOP --------------------------------------------------------------------------------

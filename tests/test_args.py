@@ -132,7 +132,11 @@ def test_each_bad_argument_is_one_line_and_no_traceback(tmp_path, tiny_model):
         # It ran, and the servers sampled the initial weights all run (--server-timeout 1: it launched one).
         (["--sync-every", "3", "--max-steps", "2", "--server-timeout", "1"], 2, "--sync-every 3 exceeds"),
         # It launched a server, then its start-up probe blamed the server's logprobs (HTTP 400).
-        (["--max-context", "32", "--env", "math"], 2, "--max-context 32 leaves no room for a completion: "),
+        (
+            ["--max-context", "32", "--env", "math"],
+            2,
+            "--max-context 32 is too small for the first rows: prompt of ",
+        ),
         (["--dataset", str(tmp_path / "empty.jsonl")], 1, "empty.jsonl: no rows"),
         (["--dataset", str(tmp_path / "garbled.jsonl")], 1, "garbled.jsonl: line 2: not JSON"),
     ]

@@ -109,8 +109,8 @@ def test_the_start_up_probe_uses_the_bf16_bound_when_either_side_is_bf16(
         ),
         step=0,
     )
-    template = SimpleNamespace(prompt_ids=lambda messages: [1, 2])
-    T.start_rollouts(run, ["0"], template, lambda row: SimpleNamespace(messages=[]), [{}], [], "cpu", None)
+    episode = lambda row: SimpleNamespace(messages=[])  # noqa: E731
+    T.start_rollouts(run, ["0"], SimpleNamespace(), episode, [{}], [[1, 2]], [], "cpu", None)
     assert probed == [bf16_bound]
 
 
