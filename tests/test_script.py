@@ -6,16 +6,13 @@ against test_weight_sync.py's fake servers (real HTTP): what a long outage print
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from test_guard import _nan_model, _resume_point
-from test_weight_sync import _synced_pair_with_one_restarted
+from test_weight_sync import _synced_pair_with_one_restarted, syncer_clock_ahead
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import weight_sync
 from checkpoint import save_checkpoint
 from train_async_grpo import heal, parser
 from trainer import make_optimizer
@@ -106,11 +103,7 @@ def test_a_restarted_server_whose_weights_keep_failing_is_named_once(tmp_path, c
     failing; once a push lands, heal names it back. The syncer's clock runs 2 s a heal here."""
     servers, syncer, _, _, run = _synced_pair_with_one_restarted(tmp_path, moved_since_sync=False)
     servers[1].fail = ("/update_weights",)
-    skew = [0.0]  # seconds the syncer's clock is ahead of the real one
-    clock = {n: getattr(time, n) for n in dir(time) if not n.startswith("_")}
-    monkeypatch.setattr(
-        weight_sync, "time", SimpleNamespace(**clock | {"monotonic": lambda: time.monotonic() + skew[0]})
-    )
+    skew = syncer_clock_ahead(monkeypatch)
     while skew[0] < 400:  # heal called again and again, as in an outage
         heal(run)
         skew[0] += 2

@@ -1192,6 +1192,17 @@ def test_a_server_that_joined_is_not_joined_again_while_it_waits_for_the_next_sy
     assert servers[1].calls.count("/init_weight_transfer_engine") == 2 and len(comms) == 3
 
 
+def syncer_clock_ahead(monkeypatch) -> list[float]:
+    """weight_sync's monotonic clock, ahead of the real one by the returned list's one value (seconds,
+    0 at first): a test moves it to pass heal's backoff waits in no time."""
+    skew = [0.0]
+    clock = {n: getattr(time, n) for n in dir(time) if not n.startswith("_")}
+    monkeypatch.setattr(
+        weight_sync, "time", SimpleNamespace(**clock | {"monotonic": lambda: time.monotonic() + skew[0]})
+    )
+    return skew
+
+
 def test_a_server_that_fails_to_join_is_retried_with_a_doubling_backoff_and_named_once(
     tmp_path, capsys, monkeypatch
 ):
@@ -1210,11 +1221,7 @@ def test_a_server_that_fails_to_join_is_retried_with_a_doubling_backoff_and_name
     (tmp_path / "vllm-logs").mkdir()
     run = SimpleNamespace(servers=[], out_dir=tmp_path, syncer=syncer, model=model, version=1, world_size=1,
                           moved_since_sync=False)  # fmt: skip
-    skew = [0.0]  # seconds the syncer's clock is ahead of the real one
-    clock = {n: getattr(time, n) for n in dir(time) if not n.startswith("_")}
-    monkeypatch.setattr(
-        weight_sync, "time", SimpleNamespace(**clock | {"monotonic": lambda: time.monotonic() + skew[0]})
-    )
+    skew = syncer_clock_ahead(monkeypatch)
     tries = []
     servers[1].before_post = lambda path: path.startswith("/init") and tries.append(skew[0])
     while skew[0] < 400:  # heal called again and again, as in an outage
