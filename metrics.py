@@ -77,6 +77,13 @@ def open_jsonl(path: Path):
     return open(path, "a")
 
 
+def json_line(values: dict) -> str:
+    """`values` as one line of strict JSON, a non-finite number (a skipped step's loss) as null: bare
+    `NaN`, as json.dumps writes it, is refused by jq, JavaScript and other strict readers."""
+    finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in values.items()}
+    return json.dumps(finite) + "\n"
+
+
 # ---------------------------------------------------------------------------------------------------
 # A STEP'S LINE IN metrics.jsonl: its rollout/ and perf/ keys (train/ from train_step, sync/ from the sync)
 # ---------------------------------------------------------------------------------------------------

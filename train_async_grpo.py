@@ -86,6 +86,7 @@ from evaluate import evaluate
 from fidelity import TOP_N, FidelityError, Prober, SyncChecks, probe_at_start
 from metrics import (
     NoTracker,
+    json_line,
     make_tracker,
     mark_logged,
     open_jsonl,
@@ -414,7 +415,7 @@ def start_rollouts(
     eval_args = (served, template, make_episode, eval_rows, args, expected_version)  # evaluate's, less urls
     if args.eval_every and run.step == 0:  # the start, before any rollout competes for the servers
         start = {"step": 0, "model_version": run.version} | evaluate_now(run, eval_args)
-        run.metrics_file.write(json.dumps(start) + "\n")
+        run.metrics_file.write(json_line(start))
         run.metrics_file.flush()
         run.tracker.log(start, 0)
         print(f"eval at start: {json.dumps(start)}", flush=True)
@@ -518,7 +519,7 @@ def evaluate_now(run: Run, eval_args: tuple) -> dict[str, float]:
 def log_step(run: Run, metrics: dict, text_fields: dict, groups, logged, traced: dict) -> None:
     """One metrics.jsonl line (with `text_fields`, which the tracker does not take), the tracker, the
     progress bar, and the rollout viewer's rows of the completions logged this step."""
-    run.metrics_file.write(json.dumps(metrics | text_fields) + "\n")
+    run.metrics_file.write(json_line(metrics | text_fields))
     run.metrics_file.flush()
     run.tracker.log(metrics, run.step)
     if logged:
