@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from collections import deque
 from collections.abc import Collection
@@ -134,6 +135,60 @@ def group_pids(pgid: int) -> list[int]:
         if int(pgrp) == pgid and state != "Z":
             pids.append(int(entry))
     return pids
+
+
+def listening_sockets(port: int) -> set[str] | None:
+    """The sockets (inodes) listening on TCP `port` on any address, IPv4 and IPv6; None where the kernel
+    does not list them (/proc/net/tcp: Linux only)."""
+    sockets, listed = set(), False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        listed = True
+        for row in rows:
+            # sl, local "ADDR:PORT" in hex, remote, state (0A: LISTEN), ..., inode (the tenth field)
+            fields = row.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                sockets.add(fields[9])
+    return sockets if listed else None
+
+
+def held_sockets(pid: int) -> set[str]:
+    """The sockets (inodes) process `pid` holds open; none for one we may not read (another user's)."""
+    inodes = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return inodes
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed since the listing
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    return inodes
+
+
+def port_in_use(host: str, port: int, sockets: set[str] | None = None) -> str:
+    """One line: `port` (listening `sockets`, if known) is held by another process, named where this
+    user may see it, and the way out. Scans every process: for a start that fails, not on every start."""
+    sockets = listening_sockets(port) if sockets is None else sockets
+    holders = []
+    everyone = [int(e) for e in os.listdir("/proc") if e.isdigit()] if sockets else []
+    for pid in everyone:
+        if held_sockets(pid) & sockets:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            except OSError:
+                cmd = "?"
+            holders.append(f"pid {pid} ({cmd[:80]})")
+    who = ", ".join(holders) or "a process we cannot see"
+    return f"port {port} on {host} is already in use by {who}: choose another port or stop that process"
 
 
 # Kills a server's process group when the process that started it dies, however it dies (SIGKILL
@@ -247,7 +302,7 @@ class VLLMServer:
                     f"vLLM server {self.url} exited with code {self.proc.returncode} during start-up; "
                     f"log {self.log_path} ends with:\n{self.log_tail()}"
                 )
-            if healthy(self.url):
+            if healthy(self.url) and self._listens_itself():
                 return
             time.sleep(0.5)
         self.stop()
@@ -255,6 +310,22 @@ class VLLMServer:
             f"vLLM server {self.url} not healthy after {timeout_s:.0f} s; "
             f"log {self.log_path} ends with:\n{self.log_tail()}"
         )
+
+    def _listens_itself(self) -> bool:
+        """Does this server's process group hold every socket listening on its port? Another process that
+        bound the port before vLLM did (vLLM binds it seconds to minutes after its launch) answers /health
+        too, with someone else's model behind it: that fails the start in one line. False while nothing
+        listens (the socket that answered closed since): ask /health again."""
+        address = urllib.parse.urlsplit(self.url)
+        sockets = listening_sockets(address.port) if address.port else None
+        if sockets is None:  # not Linux: /health is all there is to go by
+            return True
+        ours = set().union(*map(held_sockets, group_pids(self.proc.pid)))
+        if sockets - ours:
+            why = port_in_use(address.hostname, address.port, sockets - ours)
+            self.stop()
+            raise ServerStartError(f"vLLM server {self.url} did not start: {why}")
+        return bool(sockets)
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM the whole process group, SIGKILL what is left after `grace_s`."""
@@ -342,9 +413,7 @@ def start_vllm_server(
     """
     port = port or free_port()
     if port_taken(host, port):
-        raise ServerStartError(
-            f"port {port} on {host} is already in use (another server running?): choose another"
-        )
+        raise ServerStartError(port_in_use(host, port))
     on_gpu = torch.cuda.is_available()
     # GPU: bf16, the dtype of the Qwen2.5 checkpoints (fp32 would take twice the memory and lose the fast
     # kernels). CPU: fp32, so the CPU tests compare the server's logprobs with the trainer's exactly.

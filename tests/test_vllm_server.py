@@ -214,6 +214,38 @@ def test_a_port_already_in_use_is_one_line_not_someone_elses_health(tmp_path):
             vllm_server.start_vllm_server("models/tiny", port=port, log_dir=tmp_path, timeout_s=1)
 
 
+def test_a_foreign_server_that_takes_our_port_during_start_up_is_refused(tiny_model, tmp_path):
+    """The launch checks the port, then vLLM binds it ~10 s later (its import): another process that
+    bound it in between answered /health with 200, and wait_healthy took it for our server (the run then
+    talked to someone else's model; our vLLM died of "Address already in use"). Now the wait accepts only
+    a listening socket of our own process group, and names the port, the other process and the way out."""
+    port = vllm_server.free_port()
+    server = start_vllm_server(str(tiny_model), port=port, log_dir=tmp_path, wait=False)
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "health").write_text("ok")  # GET /health: 200
+    foreign = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        cwd=tmp_path / "foreign",
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        while not vllm_server.healthy(server.url):  # the foreign one: ours is still importing vLLM
+            assert foreign.poll() is None and server.alive()
+            time.sleep(0.05)
+        with pytest.raises(vllm_server.ServerStartError) as e:
+            server.wait_healthy(60)
+        message = str(e.value)
+        assert "\n" not in message and f"port {port}" in message and f"pid {foreign.pid}" in message
+        assert "choose another port or stop that process" in message
+        assert group_pids(server.proc.pid) == [], "our server outlived its refused start"
+        assert foreign.poll() is None, "the other process is not ours to stop"
+    finally:
+        server.stop()
+        foreign.kill()
+        foreign.wait()
+
+
 def test_ports_handed_out_before_they_are_bound_are_distinct():
     """Servers started together (start_vllm_servers) and the transfer groups of a join each take a port
     before anything binds it: the kernel handed a just-released port out again (5 repeats in 400 calls
