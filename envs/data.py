@@ -12,6 +12,7 @@ raises ValueError naming the line or row index and the field, so a bad dataset f
 starts (in one line: `load_datasets`).
 """
 
+import codecs
 import decimal
 import json
 import math
@@ -90,6 +91,8 @@ def load_rows(path_or_name: str, split: str = "train") -> list[dict]:
         # Bytes, decoded line by line: a byte that is not UTF-8 is then a ValueError naming its line.
         with open(path_or_name, "rb") as f:
             for n, line in enumerate(f, 1):
+                if n == 1:  # a byte-order mark (Notepad, PowerShell 5) opens a file that is still UTF-8
+                    line = line.removeprefix(codecs.BOM_UTF8)
                 if not line.strip():
                     continue
                 try:

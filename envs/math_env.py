@@ -19,23 +19,35 @@ WRONG_REWARD = 0.0  # reward for a wrong or missing answer; -1.0 is the DAPO/ver
 MAX_ANSWER_CHARS = 1000  # math-verify parses with sympy, which can hang on huge inputs; longer is wrong
 
 
+# `\boxed {x}` is `\boxed{x}`: LaTeX skips the blanks before an argument.
+_BOX = re.compile(r"\\(?:boxed|fbox)\s*+\{")
+
+
+def _last_box(text: str) -> re.Match | None:
+    """The opening of the last box in `text`, up to its brace."""
+    box = None
+    for box in _BOX.finditer(text):  # noqa: B007 (the loop only finds the last match)
+        pass
+    return box
+
+
 def last_boxed(text: Any) -> str | None:
-    """Content of the last \\boxed{...} (or \\fbox{...}) in `text`, with nested braces; None if absent
-    or unbalanced."""
-    if not isinstance(text, str):
+    """Content of the last \\boxed{...} (or \\fbox{...}) in `text`, with nested braces (escaped ones,
+    `\\{`, are text); None if absent or unbalanced."""
+    if not isinstance(text, str) or (box := _last_box(text)) is None:
         return None
-    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
-    if start < 0:
-        return None
-    i = text.index("{", start) + 1
+    i = j = box.end()
     depth = 1
-    for j in range(i, len(text)):
-        if text[j] == "{":
+    while j < len(text):
+        if text[j] == "\\":  # `\{`, `\}` print a brace (`\left\{ … \right.`): no group opens or closes
+            j += 1
+        elif text[j] == "{":
             depth += 1
         elif text[j] == "}":
             depth -= 1
             if depth == 0:
                 return text[i:j]
+        j += 1
     return None
 
 
@@ -72,14 +84,14 @@ def last_answer(text: Any) -> str | None:
     if not isinstance(text, str):
         return None
     found = []  # (start, answer)
-    box, boxed = max(text.rfind("\\boxed{"), text.rfind("\\fbox{")), last_boxed(text)
-    if boxed is not None:
-        found.append((box, boxed))
+    if (boxed := last_boxed(text)) is not None:
+        found.append((_last_box(text).start(), boxed))
     line = None
     for line in _ANSWER_LINE.finditer(text):  # noqa: B007 (the loop only finds the last match)
         pass
-    if line is not None and (answer := line.group(1).strip(" \t*_")):
-        found.append((line.start(), _clean(answer, False)))
+    # Empty once cleaned (`Answer:` ended by \r\n, `Answer: $ $`): a heading, no answer.
+    if line is not None and (answer := _clean(line.group(1).strip(" \t*_"), False)):
+        found.append((line.start(), answer))
     for line in _GSM8K_LINE.finditer(text):  # those that are a number (headings are not): the last wins
         if GSM8K_NUMBER.fullmatch(number := _clean(line.group(1), True)):
             found.append((line.start(), number))

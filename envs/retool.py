@@ -14,6 +14,7 @@ no nonzero exit, no timeout).
 They use it because small models' tool use otherwise collapses early in RL; try `tool_bonus=0.1`.
 """
 
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -28,18 +29,46 @@ TOOL_BONUS = 0.0  # per successful tool call, wrong answers only; 0.1 matches ve
 MAX_TOOL_BONUS = 0.4  # cap on the bonus (verl/slime: -1 + 0.4 = -0.6)
 TOOL_TIMEOUT_S = 10.0
 
-# A fence opens and closes a line of its own (so code that prints or holds "```" keeps it), with any
-# tag (python3, Python, py) or none, its line ended by \n or \r\n; one left open runs to the end (a call
-# cut off by the length limit).
-_FENCE = re.compile(r"^[ \t]*```[\w+-]*[ \t]*\r?\n(.*?)(?:^[ \t]*```[ \t]*\r?$|\Z)", re.M | re.S)
+# A fence opens and closes a line of its own (so code that prints or holds "```" keeps it): three or
+# more backticks, the closing run at least as long, the opening one followed by a tag or none
+# (python3, ` python`, `python title="a.py"`; a tag of word characters, so the line '```"""' that ends
+# a string in unfenced code opens nothing), its line ended by \n or \r\n; one left open runs to the
+# end (a call cut off by the length limit). Possessive (`*+`): a line of blanks and words that is no
+# opening fence is given up at once, not retried at every split of it (quadratic in the line).
+_FENCE = re.compile(
+    r"^[ \t]*+(`{3,}+)[ \t]*+[\w+.-]*+(?:[ \t][^`\r\n]*+)?\r?\n(?P<body>.*?)"
+    r"(?:(?P<close>^[ \t]*+\1`*+[ \t]*+\r?$)|\Z)",
+    re.M | re.S,
+)
+
+
+def _dedent(body: str) -> str:
+    """`body` less the indentation all its non-blank lines share. Python code whose every line is
+    indented cannot run (IndentationError), so this only changes code that would not have run; the
+    indentation of blocks inside stays. Unlike textwrap.dedent, a blank line ending in \\r counts as
+    blank (to textwrap it held the margin at zero)."""
+    lines = body.split("\n")
+    indents = [line[: len(line) - len(line.lstrip(" \t"))] for line in lines if line.strip()]
+    margin = os.path.commonprefix(indents) if indents else ""
+    if not margin:
+        return body
+    return "\n".join(line[len(margin) :] if line.startswith(margin) else line.lstrip(" \t") for line in lines)
 
 
 def strip_fence(code: str) -> str:
     """The body of the first ``` fence that holds code if the model wrapped its code in one, else `code`.
     A fence with nothing in it is no wrapper: a stray closing fence after the code read as one opening
-    there, and the code became the blank text after it."""
-    m = next((m for m in _FENCE.finditer(code) if m.group(1).strip()), None)
-    return m.group(1) if m else code
+    there, and the code became the blank text after it. The body is dedented: a fence indented with its
+    code (inside a list item, as models write one) kept the indentation, an IndentationError."""
+    m = next((m for m in _FENCE.finditer(code) if m["body"].strip()), None)
+    if m is None:
+        return code
+    body = m["body"]
+    # Left open and ending in backticks: closed at the end of its last line (`print(x)```). Python code
+    # never ends in backticks outside a string.
+    if not m["close"] and (code_end := body.rstrip()).endswith("```"):
+        body = code_end.rstrip("`") + "\n"
+    return _dedent(body)
 
 
 def format_result(r: SandboxResult, timeout_s: float) -> str:

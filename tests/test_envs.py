@@ -285,6 +285,11 @@ def test_code_interpreter():
     assert "no output" in asyncio.run(tool(code="x = 1"))
     ep.timeout_s = 1.0
     assert "[timed out after 1 s" in asyncio.run(tool(code="while True: pass"))
+    # A fence indented as models write one inside a list item (its code indented with it) runs as the
+    # code, not as an IndentationError: the interpreter path the env uses, through the real sandbox.
+    ep.timeout_s = 10.0
+    listed = "1. Multiply:\n   ```python\n   for n in [937]:\n       print(4821 * n)\n   ```\n"
+    assert asyncio.run(tool(code=listed)) == "4517277\n"
 
 
 def test_episodes_are_isolated():
@@ -721,3 +726,123 @@ def test_a_gsm8k_answer_loses_only_its_thousands_separators(tmp_path):
     ep = load_env("math").make_episode({"question": "q", "answer": golds[0]})
     assert ep.reward(final("x = 3 or x = 5\n#### 3,5"), []) == 1.0
     assert ep.reward(final("#### 35"), []) == 0.0
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "1. First:\n  ```python\n  x = 6\n  if x:\n      print(x * 7)\n  ```\n",
+        "- step\n    ```py\n    x = 6\n\n    if x:\n        print(x * 7)\n    ```",
+        "  ```python\r\n  x = 6\r\n\r\n  if x:\r\n      print(x * 7)\r\n  ```\r\n",
+        "\t```python\n\tx = 6\n\tif x:\n\t    print(x * 7)\n\t```",
+        "   ```python\n   x = 6\n   if x:\n       print(x * 7)\n",  # cut off by the length limit
+    ],
+    ids=["list_item", "blank_line", "crlf", "tab", "open"],
+)
+def test_an_indented_fence_runs_its_code_dedented(code):
+    """It kept its indentation (the fence and code indented together, as models write inside a list),
+    so every such call was an IndentationError. The indentation all its lines share goes; the code's
+    own indentation inside stays."""
+    body = strip_fence(code).replace("\r\n", "\n")
+    assert body.replace("\n\n", "\n") == "x = 6\nif x:\n    print(x * 7)\n"
+    compile(body, "<code>", "exec")
+
+
+def test_indentation_inside_an_indented_fence_stays():
+    """Only a margin every line of code has goes: code written at the margin under an indented fence,
+    and the indentation of blocks inside, is left as written."""
+    at_margin = "    ```python\ndef f():\n    return 1\nprint(f())\n    ```"  # fence indented, code not
+    assert strip_fence(at_margin) == "def f():\n    return 1\nprint(f())\n"
+    assert strip_fence("```python\ndef f():\n    return 1\n```") == "def f():\n    return 1\n"
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "``` python\nx = 6\nprint(x * 7)\n```",
+        "```python\nx = 6\nprint(x * 7)```",
+        "````python\nx = 6\nprint(x * 7)\n````",
+        "```python title=\"a.py\"\nx = 6\nprint(x * 7)\n```",
+        "```python\nx = 6\nprint(x * 7)\n````",
+    ],
+    ids=["space_before_tag", "closed_on_the_last_line",
+         "four_backticks", "info_string", "longer_close"],
+)  # fmt: skip
+def test_a_fence_in_the_other_ways_models_write_one_is_stripped(code):
+    """These ran with their backticks (a SyntaxError for correct code): an opening fence whose tag
+    follows a space, has more to its line, or is longer than three backticks, was no fence; a closing
+    fence at the end of the last line of code (`print(x)```) stayed on it. Code never ends in backticks
+    outside a string, so there they go; backticks inside the code stay (test_strip_fence)."""
+    assert strip_fence(code) == "x = 6\nprint(x * 7)\n"
+
+
+@pytest.mark.parametrize(
+    "code",
+    ["```" + " \t" * 32_000 + "a `\nx = 1\n", "```" + " " * 64_000 + "`\n" * 2, "x = 1\n" + "`" * 64_000],
+    ids=["blanks_then_a_word", "blanks", "backticks"],
+)
+def test_a_line_that_is_no_fence_is_read_in_linear_time(code):
+    """Hostile fences: a long line that starts like a fence and is none. Each takes about a millisecond
+    (a regex that retried the line at each split of its blanks took seconds at 8,000 characters, and
+    grows with the square: a guard on the possessive fence regex). The clock is this thread's CPU time;
+    the bound is a thousand times the linear cost."""
+    t0 = time.thread_time()
+    assert strip_fence(code) == code
+    assert time.thread_time() - t0 < 1.0
+
+
+@pytest.mark.parametrize(
+    "text, answer",
+    [
+        ("so \\boxed {5}.", "5"),
+        ("\\fbox  {5}", "5"),
+        ("\\boxed{3} is wrong, so \\boxed {6}", "6"),
+        ("\\boxed {3} is wrong, so \\boxed{6}", "6"),
+        ("Answer: 4\n$\\boxed {6}$", "6"),
+    ],
+)
+def test_a_box_with_a_space_before_its_brace_is_an_answer(text, answer):
+    """`\\boxed {5}` is LaTeX's `\\boxed{5}` (spaces before an argument are skipped): it was no answer,
+    and an earlier box or answer line won over it."""
+    assert last_answer(text) == answer
+    assert load_env("math").make_episode({"question": "q", "answer": answer}).reward(final(text), []) == 1.0
+
+
+def test_a_utf8_file_that_starts_with_a_byte_order_mark_is_read(tmp_path):
+    """UTF-8 with a byte-order mark (Notepad, PowerShell 5's `Out-File -Encoding utf8`, pandas with
+    `utf-8-sig`) is UTF-8 JSON lines: its first line was refused as not JSON ("Unexpected UTF-8 BOM")."""
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(
+        b'\xef\xbb\xbf{"question": "1+1?", "answer": "2"}\r\n{"question": "q", "answer": "3"}\r\n'
+    )
+    assert [(r["question"], r["answer"]) for r in load_rows(str(path))] == [("1+1?", "2"), ("q", "3")]
+    path.write_bytes(b'\xef\xbb\xbf\n{"question": "q", "answer": "3"}\n')  # and then a blank line
+    assert load_rows(str(path))[0]["answer"] == "3"
+
+
+@pytest.mark.parametrize(
+    "text", ["so \\boxed{5}\r\n\r\n**Final Answer:**\r\n", "so \\boxed{5}\nAnswer: $ $\n"]
+)
+def test_an_answer_line_with_nothing_in_it_leaves_the_box_the_answer(text):
+    """An answer line with nothing after its colon is no answer (`\\boxed{5}\\nAnswer:` gives 5), but one
+    ended by \\r\\n, or holding only markup, was read as the empty answer, which won over the box."""
+    assert last_answer(text) == "5"
+
+
+@pytest.mark.parametrize(
+    "text, boxed",
+    [
+        (
+            "$f(x) = \\boxed{\\left\\{ \\begin{array}{ll} x & x > 0 \\\\ 0 & x \\le 0 \\end{array} \\right.}",
+            "\\left\\{ \\begin{array}{ll} x & x > 0 \\\\ 0 & x \\le 0 \\end{array} \\right.",
+        ),
+        ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}"),
+        ("\\boxed{x \\in [0, 1) \\cup \\{2\\}}", "x \\in [0, 1) \\cup \\{2\\}"),
+        ("\\boxed{\\{1, 2\\}", None),  # cut off: `\}` prints a brace and the box is still open
+        ("\\boxed{a \\\\{b}}", "a \\\\{b}"),  # `\\` is a line break; the brace after it is a group
+    ],
+)
+def test_an_escaped_brace_in_a_box_is_text_not_a_group(text, boxed):
+    """`\\{` and `\\}` are braces printed, not LaTeX groups: a piecewise answer (`\\left\\{ … \\right.`)
+    counted one brace too many, so its box never closed and the right answer was no answer."""
+    assert last_boxed(text) == boxed
