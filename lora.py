@@ -268,10 +268,15 @@ def unload_adapter(url: str, version: int, timeout_s: float = 30.0) -> None:
 
 def unload_versions(url: str, loaded: set[int], keep_from: int) -> list[int]:
     """Unload from the server at `url` each version in `loaded` below `keep_from` (the oldest version
-    any request in flight names), removing it from `loaded`; returns those unloaded."""
+    any request in flight names), removing it from `loaded`; returns those unloaded. One the server does
+    not hold (404: it restarted since the syncer last looked) is as good as unloaded."""
     gone = sorted(v for v in loaded if v < keep_from)
     for v in gone:
-        unload_adapter(url, v)
+        try:
+            unload_adapter(url, v)
+        except LoRAServerError as e:
+            if e.status != 404:
+                raise
         loaded.discard(v)
     return gone
 
@@ -289,8 +294,9 @@ def check_server(url: str, probe_path: Path, rank: int) -> None:
     """Refuse (LoRAServerError, one line) a server that cannot serve this run's adapters: started
     without the runtime adapter routes, without LoRA, with a smaller `--max-lora-rank`, or unable to
     read the trainer's adapter directory (another host without the run's output dir at the same path).
-    Loads the adapter at `probe_path` under a name of its own and unloads it."""
-    body = {"lora_name": PROBE_NAME, "lora_path": str(Path(probe_path).resolve())}
+    Loads the adapter at `probe_path` under a name of its own and unloads it. In place: a run killed
+    between the two (or whose unload timed out) left the probe loaded, and vLLM refuses a name it holds."""
+    body = {"lora_name": PROBE_NAME, "lora_path": str(Path(probe_path).resolve()), "load_inplace": True}
     try:
         _post(url, "/v1/load_lora_adapter", body, 120.0)
         _post(url, "/v1/unload_lora_adapter", {"lora_name": PROBE_NAME}, 30.0)
@@ -403,7 +409,7 @@ class AdapterSyncer(WeightSyncer):
                     reset_kv(u, self.http_timeout_s)
                 post(u, "/update_weight_version", {"new_version": str(version)}, self.http_timeout_s)
                 unload_versions(u, self.groups[u], version - 1)
-                self.failed.pop(u, None)
+                self.reached(u)
             except Exception as e:  # noqa: BLE001 - dead, refusing, or silent: named below, healed later
                 failed[u] = str(e)
         self.version = version

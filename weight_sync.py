@@ -517,6 +517,14 @@ class WeightSyncer:
         if attempt.exception() is None:  # a group formed after all: nobody holds it
             self._release_groups({attempt.result()})
 
+    def reached(self, url: str) -> None:
+        """A sync reached `url`: what failing, `rejoin` and heal noted of it goes (left, its next restart
+        would not be joined again, `awaiting`, or would wait out the last back-off, `retry`)."""
+        self.failed.pop(url, None)
+        self.retry.pop(url, None)
+        self.awaiting.discard(url)
+        self.join_failing.discard(url)
+
     def out_of_step(self) -> list[str]:
         """Servers that answer but may not hold the trainer's weights: restarted (a new server reports
         weight version "default" and has no group), or failed their last sync. Dead ones are left out:
@@ -731,10 +739,7 @@ class WeightSyncer:
         seconds = time.perf_counter() - t0
         self.version = version  # what the trainer's weights are now, whoever received them
         for u in ok:
-            self.failed.pop(u, None)
-            self.retry.pop(u, None)
-            self.awaiting.discard(u)
-            self.join_failing.discard(u)
+            self.reached(u)
         if failed:
             self.awaiting.difference_update(failed)  # its group is released below: `rejoin` gives a new one
             # Its group is out of step or gone: released (an NCCL one destroyed, which also ends the

@@ -34,7 +34,7 @@ from fidelity import FP32_MAX_ABS_DIFF, PROBE_TIMEOUT_S, FidelityError, probe, v
 from rollout import GenerationError, VLLMClient
 from sampling import Sampling
 from vllm_server import served_model_name, vllm_max_lora_rank
-from weight_sync import WeightSyncError
+from weight_sync import WeightSyncError, post, weight_tags
 
 REPO = Path(__file__).resolve().parent.parent
 CPU = torch.device("cpu")
@@ -286,6 +286,82 @@ def test_a_server_that_cannot_load_the_adapter_is_refused_in_one_line(servers, a
         assert "\n" not in str(e.value) and "--enable-lora --max-lora-rank 8" in str(e.value)
     # The way out for a server on another host: the run's output dir at the same path there.
     assert "readable at the same path (a server on another host: a shared filesystem)" in str(e.value)
+
+
+def test_a_probe_a_killed_start_up_left_loaded_does_not_refuse_the_server_and_a_bigger_rank_does(
+    servers, adapters, served_model, tmp_path
+):
+    """A run killed (or whose probe unload timed out) between the start-up check's load and unload of its
+    probe leaves `lora-probe` loaded on a --vllm-url server: the next run's check loads it again and
+    passes. (vLLM refused the load, 'has already been loaded', and every later run refused the server
+    until it was restarted.) A run whose --lora-rank is above the server's --max-lora-rank is refused
+    in one line naming vLLM's reason and the flag that fits."""
+    url = servers[0].url
+    _, _, paths = adapters
+    lora._post(url, "/v1/load_lora_adapter", {"lora_name": lora.PROBE_NAME, "lora_path": str(paths[1])}, 60)
+    try:
+        lora.check_server(url, paths[1], RANK)
+    finally:
+        if lora.PROBE_NAME in lora.served_adapters(url):
+            lora._post(url, "/v1/unload_lora_adapter", {"lora_name": lora.PROBE_NAME}, 30)
+    assert lora.PROBE_NAME not in lora.served_adapters(url)
+    base = AutoModelForCausalLM.from_pretrained(served_model, dtype=torch.float32)
+    wide = lora.write_adapter(lora.attach(base, 16, 32, lora.DEFAULT_TARGETS, torch.float32), tmp_path, 1)
+    with pytest.raises(lora.LoRAServerError, match="LoRA rank 16 is greater than max_lora_rank 8") as e:
+        lora.check_server(url, wide, 16)
+    print(e.value)
+    assert "\n" not in str(e.value) and "--max-lora-rank 16" in str(e.value)
+    assert lora.PROBE_NAME not in lora.served_adapters(url)
+
+
+def _as_restarted(url: str) -> None:
+    """Put the server in the state a restart leaves it in, as the trainer sees it over HTTP: no adapter
+    loaded, weight-version tag "default" (a real relaunch takes minutes on a 2-core machine)."""
+    for name in lora.served_adapters(url):
+        lora._post(url, "/v1/unload_lora_adapter", {"lora_name": name}, 30)
+    post(url, "/update_weight_version", {"new_version": "default"}, 30)
+
+
+def test_a_server_restarted_again_and_again_mid_run_gets_the_current_adapter_each_time(
+    servers, adapters, served_model, tmp_path
+):
+    """A server restarted mid-run is brought back as `heal` does it (rejoin, then the current version
+    pushed to it alone), and the next sync reaches it: its tag and its adapter are the current version's,
+    no sync fails. The second time too (the syncer kept it as 'awaiting' and backed off after the first
+    heal: never rejoined again, and every sync from then on failed on it, unloading a version the
+    restarted server never had (404), so no directory went any more). And a restart between `heal` and
+    the sync: the sync unloads a version the server no longer holds, which is not a failure (it was
+    one, the server left out of the per-sync check until the next heal). keep_s after their unload, the
+    versions go from disk."""
+    url = servers[0].url
+    model, states, _ = adapters
+    set_peft_model_state_dict(model, states[2])
+    syncer = lora.AdapterSyncer([url], model, tmp_path, RANK, request_timeout_s=0)
+    syncer.join([url])
+    try:
+        for version in (201, 202):
+            syncer.sync(None, version)
+        for restart in (1, 2):
+            _as_restarted(url)
+            assert syncer.out_of_step() == [url]
+            stale = syncer.rejoin()  # heal
+            assert stale == [url], f"restart {restart}: not rejoined"
+            syncer.sync(None, syncer.version, urls=stale)  # heal's push
+            assert weight_tags([url])[url] == str(syncer.version)
+            assert lora.served_adapters(url) == [lora.adapter_name(syncer.version)]
+            syncer.sync(None, syncer.version + 1)  # the next step's
+        _as_restarted(url)  # between heal and the sync
+        syncer.sync(None, syncer.version + 1)
+        assert not syncer.failed and syncer.out_of_step() == [] and syncer.version == 205
+        syncer.sync(None, 206)  # unloads v204, which the restart had unloaded already
+        syncer.unheld_since = {v: t - syncer.keep_s for v, t in syncer.unheld_since.items()}  # keep_s later
+        syncer.sync(None, 207)  # v201-v204 go; v205, unloaded by this sync, keep_s from now
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["v205", "v206", "v207"]
+        gaps = _check(url, lora.adapter_name(207), model, states[2], _prompts(served_model))
+        assert gaps["fidelity/max_abs_diff"] <= FP32_MAX_ABS_DIFF
+    finally:
+        left = {v for v in map(lora.adapter_version, lora.served_adapters(url)) if v is not None and v > 200}
+        lora.unload_versions(url, left, 300)
 
 
 def test_the_merged_model_scores_what_the_server_samples_with_the_adapter(
