@@ -290,19 +290,17 @@ class ChatTemplate:
                 if recipient
             ]
         if self.hermes:
-            bodies = _hermes_bodies(text)
-        else:
-            stripped = text.replace("<|python_tag|>", "").strip()
-            for eos in (self.tokenizer.eos_token, "<|eot_id|>", "<|eom_id|>"):
-                if eos and stripped.endswith(eos):
-                    stripped = stripped[: -len(eos)].strip()
-            bodies = [stripped] if stripped.startswith("{") else []
-        return [
-            _parse_call(b.strip())
-            if b is not None
-            else ("", text.rsplit("<tool_call>", 1)[1], "unterminated <tool_call>")
-            for b in bodies
-        ]
+            return [
+                _parse_call(body.strip())
+                if body is not None
+                else ("", text[opener + len("<tool_call>") :], "unterminated <tool_call>")
+                for opener, body in _hermes_calls(text)
+            ]
+        stripped = text.replace("<|python_tag|>", "").strip()
+        for eos in (self.tokenizer.eos_token, "<|eot_id|>", "<|eom_id|>"):
+            if eos and stripped.endswith(eos):
+                stripped = stripped[: -len(eos)].strip()
+        return [_parse_call(stripped)] if stripped.startswith("{") else []
 
     def assistant_message(self, text: str, calls: list, ids: Sequence[int] | None = None) -> dict:
         """The chat message of a generated turn (what rewards and a later re-render see): hermes keeps the
@@ -318,7 +316,10 @@ class ChatTemplate:
             if analysis:
                 message["thinking"] = "\n".join(analysis)
         else:
-            content = text.split("<tool_call>", 1)[0] if self.hermes else ("" if calls else text)
+            if self.hermes:  # the text before the first call (`_hermes_calls`: not a tag its reasoning names)
+                content = text[: next((opener for opener, _ in _hermes_calls(text)), len(text))]
+            else:
+                content = "" if calls else text
             for tok in (self.tokenizer.eos_token, "<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
                 if tok and content.endswith(tok):
                     content = content[: -len(tok)]
@@ -388,29 +389,36 @@ def _harmony_messages(pieces: list[str]) -> list[tuple[str, str, str, str]]:
 _BLANKS = re.compile(r"\s*")
 
 
-def _hermes_bodies(text: str) -> list[str | None]:
-    """The body of each `<tool_call>` in a hermes turn's text, None for one left unterminated (the last).
-    A body is the JSON object that opens it when a `</tool_call>` follows that object: one inside the
-    object's strings (code printing the tag, echoing a tool's output) is text the model wrote, not the
-    close (the decoded text no longer tells a control token from its characters); otherwise it runs to
-    the next `</tool_call>`, and `_parse_call` says what is wrong with it."""
-    bodies, pos, decoder = [], 0, json.JSONDecoder()
-    while (start := text.find("<tool_call>", pos)) >= 0:
-        start += len("<tool_call>")
+def _hermes_calls(text: str) -> list[tuple[int, str | None]]:
+    """(where its `<tool_call>` starts, body) of each call in a hermes turn's text; the body is None for
+    one left unterminated (the last). A body is the JSON object that opens it when a `</tool_call>`
+    follows that object: one inside the object's strings (code printing the tag, echoing a tool's output)
+    is text the model wrote, not the close (the decoded text no longer tells a control token from its
+    characters), and an object no close follows is unterminated. Otherwise it runs to the next
+    `</tool_call>`, and `_parse_call` says what is wrong with it — unless another `<tool_call>` comes
+    first: then this one was text (reasoning that names the tag, "I'll write a <tool_call> block"), and
+    the call is the later one (read from the first, the model's well-formed call failed)."""
+    calls, pos, decoder = [], 0, json.JSONDecoder()
+    while (opener := text.find("<tool_call>", pos)) >= 0:
+        start = opener + len("<tool_call>")
         end = text.find("</tool_call>", start)
         try:
             _, after = decoder.raw_decode(text, _BLANKS.match(text, start).end())
-            close = text.find("</tool_call>", after)
-            if close >= 0 and not text[after:close].strip():
-                end = close
         except (ValueError, RecursionError):  # not JSON: the text to the next close is its body
-            pass
+            later = text.rfind("<tool_call>", start, len(text) if end < 0 else end)
+            if later >= 0:
+                pos = later
+                continue
+        else:
+            close = text.find("</tool_call>", after)
+            if close < 0 or not text[after:close].strip():
+                end = close
         if end < 0:
-            bodies.append(None)
+            calls.append((opener, None))
             break
-        bodies.append(text[start:end])
+        calls.append((opener, text[start:end]))
         pos = end + len("</tool_call>")
-    return bodies
+    return calls
 
 
 def _json(text: str):

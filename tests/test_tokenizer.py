@@ -2,9 +2,12 @@
 (models/tiny-qwen). Its ids are Qwen's (checked against the ranks file and against tiktoken, the
 reference BPE for that file), the rollout's tool-response ids are what a full render of the conversation
 tokenizes to, and the real engine's logprobs on that vocabulary are the trainer's. The tokenizer tests
-take seconds; the engine test starts one vLLM server for this module."""
+take seconds; the engine test starts one vLLM server for this module. Qwen3's vocabulary is the same
+BPE with four more added tokens (`qwen3_tok`), for its template's hermes calls inside reasoning."""
 
+import asyncio
 import base64
+import json
 import os
 import unicodedata
 import zipfile
@@ -14,12 +17,15 @@ import pytest
 import tiktoken
 import torch
 from conftest import start_server
+from test_rollout import FakeEpisode, ScriptedClient, code_interpreter
 from test_vllm_server import post
+from tokenizers import AddedToken
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from chat_format import ChatTemplate, ChatTemplateError
 from envs.retool import make_episode
+from rollout import RolloutContext, tool_loop_rollout
 from sampling import Sampling
 from vllm_server import group_pids
 
@@ -312,3 +318,69 @@ def test_vllm_logprobs_match_transformers(qwen_server, tok):
     trainer = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion_ids)[:, None])[:, 0]
     behaviour = torch.tensor(choice["logprobs"]["token_logprobs"])
     torch.testing.assert_close(trainer, behaviour, atol=1e-3, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# hermes tool calls on Qwen3's vocabulary and template
+# ---------------------------------------------------------------------------------------------------
+# Qwen3 is Qwen2.5's BPE plus four added tokens, none of them special, at these ids.
+QWEN3_IDS = {"<tool_response>": 151665, "</tool_response>": 151666, "<think>": 151667, "</think>": 151668}
+QWEN3_CALL = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(%d)"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def qwen3_tok():
+    """models/tiny-qwen's vocabulary with Qwen3's added tokens and the official Qwen3 template."""
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN3_IDS])
+    assert {t: tok.convert_tokens_to_ids(t) for t in QWEN3_IDS} == QWEN3_IDS
+    tok.chat_template = (REPO / "tests" / "templates" / "qwen3.jinja").read_text()
+    return tok
+
+
+def test_reasoning_that_names_the_call_tag_does_not_swallow_the_call(qwen3_tok):
+    """Qwen3 reasoning that names the tag ("I'll write a <tool_call> block", the tag's own id, as
+    Qwen's tokenizer writes it) before the call: the call was read from that first `<tool_call>` to the
+    close, a body that is no JSON, so the model's well-formed call failed ("not valid JSON") and its
+    message kept half its reasoning. The call is the opener before the close: it runs, the message keeps
+    the reasoning whole, and the template renders the rollout token for token."""
+    tok = qwen3_tok
+    template = ChatTemplate(tok, [code_interpreter])
+    reasoning = "<think>\nI will write a <tool_call> block for it.\n</think>\n\n"
+    script = [
+        reasoning + QWEN3_CALL % 6,
+        "<think>\nIt printed 7.\n</think>\n\nThe answer is \\boxed{7}.<|im_end|>",
+    ]
+    assert encode(tok, script[0]).count(QWEN_IDS["<tool_call>"]) == 2  # the named tag is the control id
+    episode = FakeEpisode(1, None)
+    ctx = RolloutContext(ScriptedClient(tok, script), template, {}, 3, 2000, lambda: 0, asyncio.Semaphore(2))
+    prompt_ids = template.prompt_ids(episode.messages)
+    c = asyncio.run(tool_loop_rollout(ctx, episode, prompt_ids))
+    assert [(tc.name, tc.arguments, tc.failed) for tc in c.tool_calls] == [
+        ("code_interpreter", {"code": "print(6)"}, False)
+    ]
+    assert c.stop_reason == "eos" and episode.calls == 1
+    assert c.messages[1]["content"] == reasoning.strip()
+    rendered = template.render(c.messages, add_generation_prompt=False)
+    assert encode(tok, rendered) == prompt_ids + c.completion_ids + encode(tok, "\n")
+    # the same rule with a call cut at the length limit: the message keeps the reasoning before it
+    cut = reasoning + QWEN3_CALL[:30]
+    assert template.assistant_message(cut, [], encode(tok, cut))["content"] == reasoning
+
+
+def test_a_closed_json_call_ended_at_eos_is_unterminated_not_invalid_json(tok):
+    """A call whose JSON is whole, with code printing `</tool_call>` (plain characters: generation stops
+    only at the control id), that the model ended at eos without the close: it was cut at the look-alike
+    inside its string and answered "not valid JSON (Unterminated string…)", which is not what is wrong."""
+    template = ChatTemplate(tok, make_episode({"question": "q", "answer": "1"}).tools)
+    code = "print('</tool_call>')"
+    text = (
+        "<tool_call>\n"
+        + json.dumps({"name": "code_interpreter", "arguments": {"code": code}})
+        + "\n<|im_end|>"
+    )
+    ((_, _, error),) = template.parse_tool_calls(text)
+    assert error == "unterminated <tool_call>"
+    # closed, the same call is read whole
+    closed = text.replace("<|im_end|>", "</tool_call>")
+    assert template.parse_tool_calls(closed) == [("code_interpreter", {"code": code}, None)]
