@@ -430,6 +430,13 @@ async def tool_loop_rollout(ctx: RolloutContext, episode, prompt_ids: list[int])
         calls = (
             ctx.template.parse_tool_calls(text, last.generated_ids) if last.finish_reason != "length" else []
         )
+        # The cap holds per message, not per request: a `</tool_call>` written as plain characters (not
+        # the stop id) does not end a request, so one request can hold any number of calls (21 ran under
+        # a cap of 1). Those past it are failed calls, each still answered by its tool message.
+        cap = ctx.max_calls_per_turn
+        calls[cap:] = [
+            (n, a, e or f"more than {cap} tool call(s) in one message; not run") for n, a, e in calls[cap:]
+        ]
         message = ctx.template.assistant_message(text, calls, last.generated_ids)
         comp.trajectory.append(TaggedMessage(message, generated=True))
         if last.finish_reason == "length":

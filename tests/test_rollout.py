@@ -756,6 +756,35 @@ def test_tool_loop_keeps_arrays_aligned_and_in_budget(
         assert c.turns[-1].tool_calls == () and len(c.turns) == max_turns
 
 
+def test_calls_past_the_cap_in_one_request_fail_and_do_not_run(tokenizer):
+    """The cap (--max-calls-per-turn) counted requests, not calls: a `</tool_call>` the model writes as
+    plain characters (`</` + `tool_call>`, not the stop id) does not end its request, so one request held
+    any number of calls, and each ran (21 sandbox runs under a cap of 1). Now the calls past the cap are
+    failed calls that say why, each answered by its tool message; the calls within it run."""
+    close_as_text = tokenizer.encode("</", add_special_tokens=False) + tokenizer.encode(
+        "tool_call>", add_special_tokens=False
+    )
+    call = TOOL_TURN.removesuffix("</tool_call>")
+    ids = []
+    for i in range(5):
+        ids += tokenizer.encode(call.replace("print(1)", f"print({i})"), add_special_tokens=False)
+        ids += close_as_text if i < 4 else tokenizer.encode("</tool_call>", add_special_tokens=False)
+        ids += tokenizer.encode("\n", add_special_tokens=False) if i < 4 else []
+    template = ChatTemplate(tokenizer, [code_interpreter])
+    client = ScriptedClient(tokenizer, [ids, "The answer is \\boxed{1}.<|im_end|>"])
+    ctx = RolloutContext(client, template, {}, 3, 2000, lambda: 0, asyncio.Semaphore(2), max_calls_per_turn=2)
+    episode = FakeEpisode(1, None)
+    c = asyncio.run(tool_loop_rollout(ctx, episode, list(range(10))))
+    assert episode.calls == 2 and c.stop_reason == "eos"
+    assert [(tc.arguments, tc.failed) for tc in c.tool_calls] == [
+        ({"code": f"print({i})"}, i >= 2) for i in range(5)
+    ]
+    assert all(
+        tc.result == "Error: more than 2 tool call(s) in one message; not run" for tc in c.tool_calls[2:]
+    )
+    assert len(c.completion_ids) == len(c.behaviour_logprobs) == len(c.loss_mask)
+
+
 # ---------------------------------------------------------------------------------------------------
 # fault injection: a local HTTP server of the test's own stands in for vLLM here only
 # ---------------------------------------------------------------------------------------------------
