@@ -163,6 +163,13 @@ class VLLMClient:
                     # restarts from scratch, so no sample mixes tokens from before and after.
                     self._take_down(url, e)
                     raise NoResponse(f"{url} went away mid-rollout: {e}") from e
+                except _NotServed as e:
+                    if self.expected_version is not None and not await self._answers(url):
+                        # LoRA: no adapter of the trainer's version there (its load failed in a sync, or it
+                        # restarted while idle). Kept in routing, its quick 404s drew every request to it.
+                        self._take_down(url, e)
+                        raise NoResponse(f"{url} does not serve the trainer's version: {e}") from e
+                    raise
                 except _Retryable as e:
                     if self.expected_version is not None and not await self._answers(url):
                         # No longer holds the trainer's weights (taken out of the run by the per-sync
@@ -238,7 +245,8 @@ class VLLMClient:
                 if r.status >= 500 or r.status in (408, 429):
                     raise _Retryable(f"HTTP {r.status}: {(await r.text())[:200]}")
                 if r.status != 200:
-                    raise GenerationError(f"{url}: HTTP {r.status}: {(await r.text())[:500]}")
+                    error = _NotServed if r.status == 404 else GenerationError
+                    raise error(f"{url}: HTTP {r.status}: {(await r.text())[:500]}")
                 data = await r.json()
         except TimeoutError as e:  # before ClientConnectionError: aiohttp's timeouts subclass both
             raise _Retryable(f"{type(e).__name__}: no answer within {self.request_timeout_s:.0f} s") from e
@@ -272,6 +280,10 @@ class VLLMClient:
 
 class _Retryable(Exception):
     pass
+
+
+class _NotServed(GenerationError):
+    """404: the server does not serve the model (LoRA: the adapter) the request names."""
 
 
 class _ServerGone(_Retryable):

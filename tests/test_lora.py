@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM
 import lora
 from checkpoint import CheckpointError, param_checksum
 from fidelity import FP32_MAX_ABS_DIFF, PROBE_TIMEOUT_S, FidelityError, probe, verify_server
-from rollout import GenerationError, VLLMClient
+from rollout import GenerationError, NoResponse, VLLMClient
 from sampling import Sampling
 from vllm_server import served_model_name, vllm_max_lora_rank
 from weight_sync import WeightSyncError, post, weight_tags
@@ -612,4 +612,20 @@ def test_a_request_naming_a_removed_version_is_refused_and_the_server_lives(serv
     with pytest.raises(GenerationError, match="HTTP 404.*v101"):
         asyncio.run(ask(lora.adapter_name(101)))
     assert len(asyncio.run(ask(lora.adapter_name(104))).ids) == 4
+    # A run's client (it routes by version): the sync to 105 did not reach this server. Its 404 takes
+    # it out of routing until it reports 105 (kept in, its quick 404s drew every request: least loaded).
+    client = VLLMClient(
+        [url], lambda: lora.adapter_name(105), request_timeout_s=60, expected_version=lambda: 105
+    )
+
+    async def ask_for_105():
+        await client.open()
+        try:
+            return await client.generate([1, 2, 3], 4, {"temperature": 1.0})
+        finally:
+            await client.close()
+
+    with pytest.raises(NoResponse, match="does not serve the trainer's version: .*HTTP 404.*v105"):
+        asyncio.run(ask_for_105())
+    assert client.down == {url}
     lora.unload_versions(url, syncer.groups[url], 105)
