@@ -601,8 +601,7 @@ def test_a_request_naming_a_removed_version_is_refused_and_the_server_lives(serv
     syncer.sync(None, 104)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v102", "v103", "v104"]
 
-    async def ask(name: str):
-        client = VLLMClient([url], name, request_timeout_s=60)
+    async def ask(client: VLLMClient):
         await client.open()
         try:
             return await client.generate([1, 2, 3], 4, {"temperature": 1.0})
@@ -610,22 +609,14 @@ def test_a_request_naming_a_removed_version_is_refused_and_the_server_lives(serv
             await client.close()
 
     with pytest.raises(GenerationError, match="HTTP 404.*v101"):
-        asyncio.run(ask(lora.adapter_name(101)))
-    assert len(asyncio.run(ask(lora.adapter_name(104))).ids) == 4
+        asyncio.run(ask(VLLMClient([url], lora.adapter_name(101), request_timeout_s=60)))
+    assert len(asyncio.run(ask(VLLMClient([url], lora.adapter_name(104), request_timeout_s=60))).ids) == 4
     # A run's client (it routes by version): the sync to 105 did not reach this server. Its 404 takes
     # it out of routing until it reports 105 (kept in, its quick 404s drew every request: least loaded).
     client = VLLMClient(
         [url], lambda: lora.adapter_name(105), request_timeout_s=60, expected_version=lambda: 105
     )
-
-    async def ask_for_105():
-        await client.open()
-        try:
-            return await client.generate([1, 2, 3], 4, {"temperature": 1.0})
-        finally:
-            await client.close()
-
     with pytest.raises(NoResponse, match="does not serve the trainer's version: .*HTTP 404.*v105"):
-        asyncio.run(ask_for_105())
+        asyncio.run(ask(client))
     assert client.down == {url}
     lora.unload_versions(url, syncer.groups[url], 105)

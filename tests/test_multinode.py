@@ -214,8 +214,12 @@ def test_a_server_on_another_host_gets_every_sync(hosts, server_url, one_node_ru
 
 def test_b_two_node_torchrun_ends_with_one_nodes_weights(hosts, server_url, one_node_run, tmp_path):
     """One rank per host, FSDP2 over gloo. Not bit-exact: two ranks sum each gradient in another order
-    than one process (and the servers batch requests differently), so weights may differ by float
-    rounding (a few 1e-7 seen); 1e-5 is far below one step's move (lr 1e-3)."""
+    than one process (and the servers batch requests differently). AdamW's update, lr·m/(√v + ε), takes
+    a gradient at rounding level to up to ±lr, so an element whose gradient is ~0 may differ by a whole
+    step's move between the runs (3e-5 seen in CI, a few 1e-7 in most runs): the elementwise max bounds
+    nothing. Such elements are few, so the gap's norm stays a small share of the move's (‖Δ‖/‖moved‖ ≈
+    √their share); a rank whose half of the batch is lost or not averaged turns the update itself, a
+    share of order 1."""
     one_node = check_run(*one_node_run)
     out = tmp_path / "run"
     procs = []
@@ -233,12 +237,15 @@ def test_b_two_node_torchrun_ends_with_one_nodes_weights(hosts, server_url, one_
     logs = [(tmp_path / f"node{n}.log").read_text() for n in range(2)]
     two_nodes = check_run(out, subprocess.CompletedProcess([], codes[0] or codes[1], logs[0], logs[1]))
     assert one_node.keys() == two_nodes.keys()
-    gap = max((one_node[k] - two_nodes[k]).abs().max().item() for k in one_node)
-    moved = max(
-        (one_node[k] - load_file(MODEL / "model.safetensors")[k]).abs().max().item() for k in one_node
+    start = load_file(MODEL / "model.safetensors")
+    gap = torch.cat([(one_node[k] - two_nodes[k]).flatten() for k in one_node])
+    moved = torch.cat([(one_node[k] - start[k]).flatten() for k in one_node])
+    share = (gap.norm() / moved.norm()).item()
+    print(
+        f"2 nodes vs 1: weight gap max {gap.abs().max():.2e}, its norm {share:.2e} of the move's "
+        f"(max {moved.abs().max():.2e})"
     )
-    print(f"2 nodes vs 1: max weight gap {gap:.2e}; the run moved weights by up to {moved:.2e}")
-    assert gap < 1e-5 and moved > 1e-4, (gap, moved)
+    assert share < 1e-2 and moved.abs().max() > 1e-4, (share, gap.abs().max(), moved.abs().max())
 
 
 UNREACHABLE = """
