@@ -163,19 +163,21 @@ class VLLMClient:
                     # restarts from scratch, so no sample mixes tokens from before and after.
                     self._take_down(url, e)
                     raise NoResponse(f"{url} went away mid-rollout: {e}") from e
-                except _NotServed as e:
-                    if self.expected_version is not None and not await self._answers(url):
-                        # LoRA: no adapter of the trainer's version there (its load failed in a sync, or it
-                        # restarted while idle). Kept in routing, its quick 404s drew every request to it.
-                        self._take_down(url, e)
-                        raise NoResponse(f"{url} does not serve the trainer's version: {e}") from e
-                    raise
-                except _Retryable as e:
+                except (_NotServed, _Retryable) as e:
                     if self.expected_version is not None and not await self._answers(url):
                         # No longer holds the trainer's weights (taken out of the run by the per-sync
-                        # check, or restarted): a request that reached it after its abort timed out.
+                        # check, or restarted): a request that reached it after its abort timed out. Or
+                        # (404) no adapter of the trainer's version there (LoRA: its load failed in a
+                        # sync, or it restarted while idle): kept in routing, its quick 404s drew every
+                        # request to it.
                         self._take_down(url, e)
-                        raise NoResponse(f"{url} went away mid-rollout: {e}") from e
+                        not_served = isinstance(e, _NotServed)
+                        why = (
+                            "does not serve the trainer's version" if not_served else "went away mid-rollout"
+                        )
+                        raise NoResponse(f"{url} {why}: {e}") from e
+                    if isinstance(e, _NotServed):  # a version no longer loaded: its group restarts
+                        raise
                     if attempt == self.max_retries:
                         raise NoResponse(f"{url}: gave up after {attempt + 1} attempts: {e}") from e
                     self.stats.retries += 1

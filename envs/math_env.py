@@ -36,6 +36,11 @@ def last_boxed(text: Any) -> str | None:
     `\\{`, are text); None if absent or unbalanced."""
     if not isinstance(text, str) or (box := _last_box(text)) is None:
         return None
+    return _box_content(text, box)
+
+
+def _box_content(text: str, box: re.Match) -> str | None:
+    """What the box opened by `box` holds, to its balancing brace; None if unbalanced."""
     i = j = box.end()
     depth = 1
     while j < len(text):
@@ -84,8 +89,8 @@ def last_answer(text: Any) -> str | None:
     if not isinstance(text, str):
         return None
     found = []  # (start, answer)
-    if (boxed := last_boxed(text)) is not None:
-        found.append((_last_box(text).start(), boxed))
+    if (box := _last_box(text)) is not None and (boxed := _box_content(text, box)) is not None:
+        found.append((box.start(), boxed))
     line = None
     for line in _ANSWER_LINE.finditer(text):  # noqa: B007 (the loop only finds the last match)
         pass
